@@ -1,0 +1,29 @@
+# The README's commands. Every target installs what it needs first
+# (idempotent and cached: see launch/install.sh).
+VENV ?= .venv
+export HVD_TRAIN_VENV := $(abspath $(VENV))
+BIN := $(HVD_TRAIN_VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast lint clean
+
+install:
+	bash launch/install.sh
+
+demo: install
+	$(BIN)/hvd-train demo
+
+test: install
+	$(BIN)/ruff check hvd_train tests
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Unit tests only: no horovodrun / mpirun jobs.
+test-fast: install
+	$(BIN)/python -m pytest -m "not multiprocess" $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check hvd_train tests
+	$(BIN)/ruff format --check hvd_train tests
+
+clean:
+	rm -rf demo .pytest_cache build *.egg-info

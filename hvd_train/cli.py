@@ -1,0 +1,69 @@
+"""``hvd-train``: the command line.
+
+Errors a user can fix print as one line (``error: ...``) and exit with 2;
+anything else prints its traceback and exits with 1. Under a launcher, a
+rank that fails alone ends the whole job (``distributed.abort``) rather than
+leave the other ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hvd_train import __version__, log
+from hvd_train.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hvd_train.commands import demo, evaluate, models, predict, train
+
+    parser = argparse.ArgumentParser(
+        prog="hvd-train",
+        description="Fine-tune Keras applications image classifiers on one to hundreds of GPUs with Horovod.",
+    )
+    parser.add_argument("--version", action="version", version=f"hvd_train {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in (train, evaluate, predict, models, demo):
+        module.add_parser(subparsers)
+    return parser
+
+
+def launcher_rank() -> tuple[int, int]:
+    """Rank and size from the launcher's environment, before Horovod starts."""
+    for rank_var, size_var in (
+        ("HOROVOD_RANK", "HOROVOD_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank, size = launcher_rank()
+    log.setup(rank, size)
+    args = build_parser().parse_args(argv)
+    logger = log.get_logger()
+    try:
+        return int(args.run(args) or 0)
+    except UserError as e:
+        if not e.agreed or rank == 0:
+            logger.error("error: %s", e)
+        code, agreed = e.exit_code, e.agreed
+    except KeyboardInterrupt:
+        code, agreed = 130, False
+    except Exception:
+        logger.exception("unexpected error")
+        code, agreed = 1, False
+    if size > 1 and not agreed:
+        from hvd_train.distributed import abort
+
+        abort(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""``hvd-train evaluate``: exact accuracy of a trained model on labelled images."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="exact accuracy, top-5, per-class accuracy and confusion matrix",
+        description="Score every image of DIR/<class>/... once (across all ranks under horovodrun) "
+        "with the model of a finished run. Prints the results and writes them as JSON.",
+    )
+    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    parser.add_argument("--data", required=True, help="labelled image folder, classes as in training")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per worker per batch")
+    parser.add_argument("--report", help="JSON file to write (default: MODEL_DIR/evaluation.json)")
+    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hvd_train import distributed
+    from hvd_train.data.pipeline import eval_dataset
+    from hvd_train.data.sources import evaluation_set
+    from hvd_train.evaluation import evaluate
+    from hvd_train.inference import load_trained
+    from hvd_train.log import get_logger
+
+    if args.batch_size < 1:
+        from hvd_train.errors import UserError
+
+        raise UserError(f"`--batch-size` must be >= 1. Received: batch_size={args.batch_size}.")
+    ctx = distributed.init()
+    trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
+    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx)
+    dataset = eval_dataset(
+        images.paths,
+        images.labels,
+        rank=ctx.rank,
+        size=ctx.size,
+        batch_size=args.batch_size,
+        image_size=trained.image_size,
+        crop_fraction=trained.crop_fraction,
+        preprocess=trained.preprocess,
+    )
+    result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")
+    if not ctx.is_root:
+        return 0
+    per_class = result.per_class_accuracy()
+    report = {
+        "data": args.data,
+        "images": result.count,
+        "accuracy": result.accuracy,
+        "top5": result.top5,
+        "top_k": result.k,
+        "loss": result.loss,
+        "classes": trained.classes,
+        "per_class_accuracy": dict(zip(trained.classes, per_class)),
+        "confusion_matrix": result.confusion.tolist(),
+        "world_size": ctx.size,
+    }
+    path = args.report or os.path.join(args.model_dir, "evaluation.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    width = max(len(c) for c in trained.classes)
+    print(f"images    {result.count}")
+    print(f"accuracy  {result.accuracy:.4f}")
+    print(f"top-{result.k}     {result.top5:.4f}")
+    print(f"loss      {result.loss:.4f}")
+    for name, acc in zip(trained.classes, per_class):
+        print(f"  {name:<{width}}  {'-' if acc is None else f'{acc:.4f}'}")
+    print("confusion matrix (rows: true class, columns: predicted)")
+    for name, row in zip(trained.classes, result.confusion.tolist()):
+        print(f"  {name:<{width}}  " + " ".join(f"{n:5d}" for n in row))
+    get_logger().info("wrote %s", path)
+    return 0

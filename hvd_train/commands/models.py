@@ -1,0 +1,16 @@
+"""``hvd-train models``: the keras.applications models available by name."""
+
+from __future__ import annotations
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("models", help="list the models --model accepts")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from hvd_train.models import available_models
+
+    for name, spec in sorted(available_models().items()):
+        print(f"{name:<20} default input {spec.default_size}x{spec.default_size}")
+    return 0

@@ -1,0 +1,102 @@
+"""``hvd-train predict``: class and probability for image files or folders."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "predict",
+        help="predict the class of images; writes CSV path,label,probability",
+        description="Predict the class of each image given (files, or folders searched recursively). "
+        "Under horovodrun the images are split among ranks; rank 0 writes the CSV in input order.",
+    )
+    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    parser.add_argument("--output", default="-", help="CSV file to write (default: standard output)")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per worker per batch")
+    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
+    parser.set_defaults(run=run)
+
+
+def expand(paths: list[str]) -> list[str]:
+    """Image files named by ``paths`` (folders searched recursively, sorted)."""
+    from hvd_train.data.folder import is_image_name
+    from hvd_train.errors import UserError
+
+    files = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(
+                os.path.join(d, n)
+                for d, _, names in os.walk(path)
+                for n in names
+                if is_image_name(n) and not n.startswith(".")
+            )
+            if not found:
+                raise UserError(f"folder {path} holds no images (jpg, jpeg, png, gif, bmp); check the PATH.")
+            files.extend(found)
+        elif os.path.isfile(path):
+            files.append(path)
+        else:
+            raise UserError(f"{path} does not exist; PATH takes image files or folders.")
+    return files
+
+
+def run(args: argparse.Namespace) -> int:
+    from hvd_train import distributed
+    from hvd_train.data.images import find_bad_images, report_bad_images
+    from hvd_train.data.pipeline import predict_dataset
+    from hvd_train.errors import UserError
+    from hvd_train.inference import load_trained
+    from hvd_train.log import get_logger
+
+    if args.batch_size < 1:
+        raise UserError(f"`--batch-size` must be >= 1. Received: batch_size={args.batch_size}.")
+    ctx = distributed.init()
+    files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
+    trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
+    mine = files[ctx.rank :: ctx.size]
+    bad_mine = ctx.agree(lambda: find_bad_images(mine), name="predict_check")
+    bad = sorted(b for part in ctx.allgather_object(bad_mine, name="predict_bad") for b in part)
+    try:
+        report_bad_images(bad, args.on_bad_image, "PATH", get_logger() if ctx.is_root else None)
+    except UserError as e:
+        raise UserError(str(e), agreed=True) from None
+    skip = {p for p, _ in bad}
+    mine = [p for p in mine if p not in skip]
+    rows = []
+    if mine:
+        probs = trained.model.predict(
+            predict_dataset(
+                mine,
+                batch_size=args.batch_size,
+                image_size=trained.image_size,
+                crop_fraction=trained.crop_fraction,
+                preprocess=trained.preprocess,
+            ),
+            verbose=0,
+        )
+        for path, p in zip(mine, probs):
+            best = int(p.argmax())
+            rows.append((path, trained.classes[best], float(p[best])))
+    gathered = ctx.allgather_object(rows, name="predict_rows")
+    if not ctx.is_root:
+        return 0
+    by_path = {row[0]: row for part in gathered for row in part}
+    out = open(args.output, "w", newline="", encoding="utf-8") if args.output != "-" else None
+    try:
+        writer = csv.writer(out or sys.stdout)
+        writer.writerow(["path", "label", "probability"])
+        for path in files:
+            if path in by_path:
+                _, label, prob = by_path[path]
+                writer.writerow([path, label, f"{prob:.6f}"])
+    finally:
+        if out:
+            out.close()
+    return 0

@@ -1,0 +1,34 @@
+"""``hvd-train train``: fine-tune a model on a labelled image folder."""
+
+from __future__ import annotations
+
+import argparse
+
+from hvd_train import config
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="fine-tune a keras.applications model on labelled images",
+        description="Fine-tune a keras.applications model on a folder tree DIR/<class>/.../<image>. "
+        "Run it directly for one process, or under horovodrun / mpirun for many. "
+        "Options may come from --config FILE.yaml; flags win.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    config.add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validated before Horovod starts and before any rank reads data: every
+    # rank rejects a bad option the same way, and none waits for another.
+    cfg = config.from_sources(args)
+
+    from hvd_train import distributed, log, train
+
+    ctx = distributed.init(cfg.horovod.threads_per_rank)
+    if cfg.run.log_all_ranks:
+        log.setup(ctx.rank, ctx.size, all_ranks=True)
+    train.run(cfg, ctx)
+    return 0

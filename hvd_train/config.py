@@ -1,0 +1,397 @@
+"""Training configuration: defaults -> YAML file -> command line -> validate().
+
+The configuration is plain frozen dataclasses, one per concern. Each field
+carries its command-line flag and help text in its metadata, so the parser,
+the YAML keys and the validation messages cannot drift apart. A YAML file
+uses the section names as top-level keys::
+
+    data:
+      train: /data/flowers
+      val_split: 0.1
+    model:
+      name: ResNet50
+    optim:
+      base_lr: 0.0125
+
+The resolved configuration is validated once, before any rank reads data,
+and written next to the outputs as ``run_config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from hvd_train.errors import UserError
+
+AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
+BN_MODES = ("auto", "inference", "train")
+LR_SCHEDULES = ("cosine", "step", "constant")
+OPTIMIZERS = ("sgd", "adam")
+BAD_IMAGE_POLICIES = ("skip", "fail")
+
+
+def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"flag": flag, "help": help, **extra})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the images come from and how they are fed.
+
+    Attributes:
+        train: folder tree ``<class>/.../<image>`` to train on.
+        val: folder tree of held-out images; when empty, ``val_split`` of
+            each class of ``train`` is held out instead.
+        val_split: fraction of each class held out when ``val`` is not given.
+        image_size: side of the square model input; 0 uses the model's default.
+        batch_size: images per worker per step.
+        augment: training augmentation: ``crop,flip``, ``crop``, ``flip``, ``none``.
+        crop_fraction: central fraction kept by the evaluation center crop.
+        on_bad_image: ``skip`` unreadable images (and list them) or ``fail``.
+    """
+
+    train: str = _opt("", "--data", "image folder tree to train on (labels = top-level folder names)")
+    val: str = _opt("", "--val-data", "image folder tree of held-out images")
+    val_split: float = _opt(0.1, "--val-split", "fraction of each class held out when --val-data is not given")
+    image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
+    batch_size: int = _opt(32, "--batch-size", "images per worker per step (the global batch is this x workers)")
+    augment: str = _opt("crop,flip", "--augment", "training augmentation", choices=AUGMENTATIONS)
+    crop_fraction: float = _opt(0.875, "--crop-fraction", "central fraction kept by the evaluation crop")
+    on_bad_image: str = _opt("skip", "--on-bad-image", "what to do with unreadable images", choices=BAD_IMAGE_POLICIES)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network: a keras.applications backbone and a new classification head.
+
+    Attributes:
+        name: a ``keras.applications`` model name (``hvd-train models``).
+        weights: ``imagenet``, ``none`` or the path of a backbone weights file.
+        freeze_backbone: train only the new head.
+        trainable_layers: train only the last N backbone layers (0: all).
+        dropout: dropout rate before the new Dense layer.
+        bn_mode: backbone BatchNormalization during training: ``inference``
+            (moving statistics frozen, Keras' fine-tuning advice), ``train``,
+            or ``auto`` (inference with pretrained weights, train from scratch).
+        bn_momentum: moving-average momentum of backbone BatchNormalization
+            layers that train; 0 keeps the model's own (0.99/0.999) with
+            pretrained weights and uses 0.9 from scratch.
+    """
+
+    name: str = _opt("MobileNetV2", "--model", "keras.applications model name (see `hvd-train models`)")
+    weights: str = _opt("imagenet", "--weights", "imagenet, none, or the path of a backbone weights file")
+    freeze_backbone: bool = _opt(False, "--freeze-backbone", "train only the new classification head")
+    trainable_layers: int = _opt(0, "--trainable-layers", "train only the last N backbone layers (0: all)")
+    dropout: float = _opt(0.2, "--dropout", "dropout rate before the new Dense layer")
+    bn_mode: str = _opt("auto", "--bn-mode", "backbone BatchNormalization mode", choices=BN_MODES)
+    bn_momentum: float = _opt(0.0, "--bn-momentum", "BatchNormalization momentum when it trains (0: auto)")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule.
+
+    Attributes:
+        optimizer: ``sgd`` (with momentum) or ``adam``.
+        base_lr: learning rate of one worker with ``batch_size`` images; it is
+            scaled linearly with the global batch (Goyal et al., 2017).
+        momentum: SGD momentum.
+        warmup_epochs: epochs of linear warmup from ``base_lr`` to the scaled rate.
+        lr_schedule: after warmup: ``cosine`` decay to 0, ``step`` drops, or ``constant``.
+        lr_drop_factor: factor of each ``step`` drop (MATLAB's LearnRateDropFactor).
+        lr_drop_period: epochs between ``step`` drops (MATLAB's LearnRateDropPeriod).
+        head_lr_mult: learning-rate multiplier of the new head (MATLAB uses 10).
+    """
+
+    optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)
+    base_lr: float = _opt(0.01, "--base-lr", "learning rate for one worker; scaled by the number of workers")
+    momentum: float = _opt(0.9, "--momentum", "SGD momentum")
+    warmup_epochs: float = _opt(2.0, "--warmup-epochs", "epochs of gradual warmup to the scaled learning rate")
+    lr_schedule: str = _opt("cosine", "--lr-schedule", "schedule after warmup", choices=LR_SCHEDULES)
+    lr_drop_factor: float = _opt(0.1, "--lr-drop-factor", "factor of each step drop")
+    lr_drop_period: int = _opt(10, "--lr-drop-period", "epochs between step drops")
+    head_lr_mult: float = _opt(1.0, "--head-lr-mult", "learning-rate multiplier of the new head (SGD)")
+
+
+@dataclass(frozen=True)
+class HorovodConfig:
+    """How the workers cooperate.
+
+    Attributes:
+        fp16_allreduce: compress gradients to float16 for the allreduce.
+        grad_accum: backward passes accumulated per optimizer step.
+        threads_per_rank: TensorFlow CPU threads per process (0: cores / local ranks).
+    """
+
+    fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
+    grad_accum: int = _opt(1, "--grad-accum", "backward passes per optimizer step (backward_passes_per_step)")
+    threads_per_rank: int = _opt(0, "--threads-per-rank", "CPU threads per process (0: cores / local ranks)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run itself.
+
+    Attributes:
+        output: folder for the model, logs, checkpoints and metrics.
+        epochs: number of training epochs.
+        seed: seed of the split, the shuffles and the augmentation.
+        resume: continue from the latest checkpoint in ``output``.
+        keep_checkpoints: how many epoch checkpoints to keep.
+        tensorboard: write TensorBoard logs under ``output/tensorboard``.
+        log_all_ranks: every rank logs at INFO, not only rank 0.
+    """
+
+    output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
+    epochs: int = _opt(10, "--epochs", "number of training epochs")
+    seed: int = _opt(42, "--seed", "seed of the split, the shuffles and the augmentation")
+    resume: bool = _opt(True, "--resume", "continue from the latest checkpoint in --output")
+    keep_checkpoints: int = _opt(2, "--keep-checkpoints", "how many epoch checkpoints to keep")
+    tensorboard: bool = _opt(True, "--tensorboard", "write TensorBoard logs")
+    log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs, in sections."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    horovod: HorovodConfig = field(default_factory=HorovodConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> TrainConfig:
+        """Checks every value; raises UserError naming the flag and the fix."""
+        d, m, o, h, r = self.data, self.model, self.optim, self.horovod, self.run
+        _require(bool(d.train), "--data", d.train, "give the image folder to train on")
+        _require(bool(r.output), "--output", r.output, "give a folder for the results")
+        _require(0.0 <= d.val_split < 1.0, "--val-split", d.val_split, "use a fraction in [0, 1)")
+        _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
+        _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
+        _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
+        _require(m.trainable_layers >= 0, "--trainable-layers", m.trainable_layers, "use a number >= 0")
+        _require(0.0 <= m.dropout < 1.0, "--dropout", m.dropout, "use a rate in [0, 1)")
+        _require(0.0 <= m.bn_momentum < 1.0, "--bn-momentum", m.bn_momentum, "use [0, 1)")
+        _require(
+            not (m.freeze_backbone and m.trainable_layers),
+            "--trainable-layers",
+            m.trainable_layers,
+            "drop it or --freeze-backbone: they contradict",
+        )
+        _require(o.base_lr > 0 and math.isfinite(o.base_lr), "--base-lr", o.base_lr, "use a number > 0")
+        _require(0.0 <= o.momentum < 1.0, "--momentum", o.momentum, "use [0, 1)")
+        _require(o.warmup_epochs >= 0, "--warmup-epochs", o.warmup_epochs, "use a number >= 0")
+        _require(0.0 < o.lr_drop_factor <= 1.0, "--lr-drop-factor", o.lr_drop_factor, "use (0, 1]")
+        _require(o.lr_drop_period >= 1, "--lr-drop-period", o.lr_drop_period, "use a whole number >= 1")
+        _require(o.head_lr_mult > 0, "--head-lr-mult", o.head_lr_mult, "use a number > 0")
+        _require(
+            o.head_lr_mult == 1.0 or o.optimizer == "sgd",
+            "--head-lr-mult",
+            o.head_lr_mult,
+            "it is applied by scaling the head's gradients, which only equals a learning-rate "
+            "multiplier for --optimizer sgd; use sgd or drop --head-lr-mult",
+        )
+        _require(h.grad_accum >= 1, "--grad-accum", h.grad_accum, "use a whole number >= 1")
+        _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
+        _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
+        _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
+        _require(
+            m.weights in ("imagenet", "none") or os.path.isfile(m.weights),
+            "--weights",
+            m.weights,
+            "use imagenet, none, or the path of an existing weights file",
+        )
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _require(ok: bool, flag: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise UserError(f"`{flag}` is invalid. Received: {flag.lstrip('-').replace('-', '_')}={value!r}; {fix}.")
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    hint = typing.get_type_hints(section_cls)[name]
+    if isinstance(hint, types.UnionType):  # e.g. int | None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per configuration field; unset flags stay absent.
+
+    Defaults are not given to argparse (``SUPPRESS``) so that a YAML file's
+    value is only overridden by flags the user actually typed.
+    """
+    parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML file; flags win")
+    for section, cls in _section_types().items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            typ = _field_type(cls, f.name)
+            kwargs: dict[str, Any] = {
+                "dest": f"{section}.{f.name}",
+                "default": argparse.SUPPRESS,
+                "help": f"{f.metadata['help']} (default: {f.default})",
+            }
+            if typ is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = typ
+                kwargs["metavar"] = f.name.upper()
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(f.metadata["flag"], **kwargs)
+
+
+def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None = None) -> TrainConfig:
+    """Builds the configuration: defaults, then the YAML file, then the flags.
+
+    Args:
+        args: parsed flags from a parser made with ``add_arguments``.
+        yaml_path: YAML file; defaults to ``args.config``.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        UserError: for an unreadable file, an unknown key or an invalid value.
+    """
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    yaml_path = yaml_path or (getattr(args, "config", None) if args else None)
+    if yaml_path:
+        _merge(values, _read_yaml(yaml_path), yaml_path)
+    for key, value in vars(args or argparse.Namespace()).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            values[section][name] = value
+    return build(values).validate()
+
+
+def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
+    """Makes a TrainConfig from nested section dicts, coercing YAML scalars."""
+    sections = {}
+    for section, cls in _section_types().items():
+        kwargs = {}
+        for name, value in values.get(section, {}).items():
+            typ = _field_type(cls, name)
+            kwargs[name] = _coerce(value, typ, f"{section}.{name}")
+        sections[section] = cls(**kwargs)
+    return TrainConfig(**sections)
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+    if value is None:
+        value = ""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"`{key}` must be true or false. Received: {value!r}; fix the config file.")
+    if typ is str:
+        return str(value)
+    try:
+        coerced = typ(value)
+    except (TypeError, ValueError):
+        raise UserError(f"`{key}` must be {typ.__name__}. Received: {value!r}; fix the config file.") from None
+    if typ is int and isinstance(value, float) and value != coerced:
+        raise UserError(f"`{key}` must be a whole number. Received: {value!r}; fix the config file.")
+    return coerced
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror}; check --config.") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}).")
+    return loaded
+
+
+def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str) -> None:
+    hints = _section_types()
+    for section, body in loaded.items():
+        if section not in SECTIONS:
+            raise UserError(f"config file {path}: unknown section {section!r}; use one of {', '.join(SECTIONS)}.")
+        if not isinstance(body, dict):
+            raise UserError(f"config file {path}: section {section!r} must be a mapping.")
+        known = {f.name for f in dataclasses.fields(hints[section])}
+        for name, value in body.items():
+            if name not in known:
+                raise UserError(
+                    f"config file {path}: unknown key {section}.{name}; known keys: {', '.join(sorted(known))}."
+                )
+            values[section][name] = value
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Numbers derived from the configuration and the job, computed in one place.
+
+    Attributes:
+        world_size: number of Horovod processes.
+        global_batch: images per optimizer update: batch x workers x accumulation.
+        steps_per_epoch: batches each rank runs per epoch (the same on every rank).
+        scaled_lr: peak learning rate, ``base_lr`` scaled linearly to the global batch.
+        warmup_steps: batches of gradual warmup.
+        total_steps: batches of the whole run.
+        drop_period_steps: batches between ``step`` drops.
+    """
+
+    world_size: int
+    global_batch: int
+    steps_per_epoch: int
+    scaled_lr: float
+    warmup_steps: int
+    total_steps: int
+    drop_period_steps: int
+
+
+def make_plan(cfg: TrainConfig, world_size: int, num_train: int) -> Plan:
+    """Derives batch sizes, steps and learning rates for ``world_size`` workers.
+
+    Steps count batches (backward passes): Horovod advances the optimizer's
+    ``iterations`` on every pass, also while accumulating gradients. Steps per
+    epoch cover every training image at least once and are rounded up to a
+    multiple of ``grad_accum`` so each epoch ends on a full update.
+    """
+    accum = cfg.horovod.grad_accum
+    per_pass = cfg.data.batch_size * world_size
+    steps = max(1, math.ceil(num_train / per_pass))
+    steps = math.ceil(steps / accum) * accum
+    # Goyal et al.: the learning rate grows linearly with the global batch.
+    scale = world_size * accum
+    return Plan(
+        world_size=world_size,
+        global_batch=per_pass * accum,
+        steps_per_epoch=steps,
+        scaled_lr=cfg.optim.base_lr * scale,
+        warmup_steps=int(round(cfg.optim.warmup_epochs * steps)),
+        total_steps=cfg.run.epochs * steps,
+        drop_period_steps=cfg.optim.lr_drop_period * steps,
+    )

@@ -1,0 +1,161 @@
+"""Labelled image folders: ``ROOT/<class>/.../<image>``.
+
+Classes are the sorted names of the top-level folders; images in nested
+sub-folders belong to their top-level class. Listing happens once (on rank 0)
+and the result is shared, so every rank agrees on files, labels and order.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".gif", ".bmp")
+
+log = get_logger("data")
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """Image files with integer labels into ``classes``.
+
+    Attributes:
+        paths: image file paths, in a deterministic order.
+        labels: class index of each path.
+        classes: class names; a label indexes into this list.
+        ignored: files that were passed over because they are not images.
+    """
+
+    paths: list[str]
+    labels: list[int]
+    classes: list[str]
+    ignored: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def counts(self) -> list[int]:
+        """Images per class, in class order."""
+        return np.bincount(np.asarray(self.labels, dtype=np.int64), minlength=len(self.classes)).tolist()
+
+    def subset(self, indices) -> ImageSet:
+        return ImageSet([self.paths[i] for i in indices], [self.labels[i] for i in indices], self.classes)
+
+    def without(self, bad: set[str]) -> ImageSet:
+        keep = [i for i, p in enumerate(self.paths) if p not in bad]
+        return ImageSet([self.paths[i] for i in keep], [self.labels[i] for i in keep], self.classes, self.ignored)
+
+
+def is_image_name(name: str) -> bool:
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def list_folder(root: str, flag: str = "--data", classes: list[str] | None = None) -> ImageSet:
+    """Lists a labelled image folder.
+
+    Args:
+        root: the folder whose sub-folders are the classes.
+        flag: the option that named ``root``, for error messages.
+        classes: the training classes, when listing held-out data: labels
+            then index into these, and an unknown class is an error.
+
+    Returns:
+        The images, sorted by class then path.
+
+    Raises:
+        UserError: the folder is missing or empty, a class has no images,
+            there are fewer than two classes, or (with ``classes``) a
+            class is not one of the training classes.
+    """
+    if not os.path.exists(root):
+        raise UserError(f"data folder {root} does not exist; check {flag}.")
+    if not os.path.isdir(root):
+        raise UserError(f"{root} is not a folder; {flag} takes a folder with one sub-folder per class.")
+    entries = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    found = [e for e in entries if os.path.isdir(os.path.join(root, e))]
+    stray = [e for e in entries if e not in found]
+    if not found:
+        raise UserError(f"data folder {root} has no class folders; put images in {root}/<class>/ ({flag}).")
+    ignored = [os.path.join(root, e) for e in stray]
+    if stray:
+        log.warning(
+            "ignored %d file(s) at the top of %s that are in no class folder, e.g. %s", len(stray), root, stray[0]
+        )
+    if classes is None:
+        classes = found
+    else:
+        unknown = [c for c in found if c not in classes]
+        if unknown:
+            raise UserError(
+                f"class folder {os.path.join(root, unknown[0])} ({flag}) is not a training class; "
+                f"training classes are: {', '.join(classes)}. Rename or remove it."
+            )
+    index = {c: i for i, c in enumerate(classes)}
+    paths: list[str] = []
+    labels: list[int] = []
+    for name in found:
+        images, others = _walk(os.path.join(root, name))
+        ignored.extend(others)
+        if not images:
+            raise UserError(
+                f"class {name!r} ({os.path.join(root, name)}) has no images "
+                f"({', '.join(e.lstrip('.') for e in IMAGE_EXTENSIONS)}); add images or remove the folder."
+            )
+        paths.extend(images)
+        labels.extend([index[name]] * len(images))
+    if len(classes) < 2:
+        raise UserError(
+            f"data folder {root} has {len(classes)} class folder ({', '.join(classes)}); "
+            f"a classifier needs at least 2 ({flag})."
+        )
+    if len(ignored) > len(stray):
+        log.warning(
+            "ignored %d file(s) in %s that are not images (%s), e.g. %s",
+            len(ignored) - len(stray),
+            root,
+            "/".join(IMAGE_EXTENSIONS),
+            ignored[len(stray)],
+        )
+    return ImageSet(paths, labels, list(classes), ignored)
+
+
+def _walk(folder: str) -> tuple[list[str], list[str]]:
+    images, others = [], []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            (images if is_image_name(name) else others).append(os.path.join(dirpath, name))
+    return images, others
+
+
+def split_per_class(images: ImageSet, fraction: float, seed: int) -> tuple[ImageSet, ImageSet]:
+    """Holds out ``fraction`` of each class (MATLAB's splitEachLabel).
+
+    The split depends only on the file list and ``seed``, so every rank and
+    every resumed run makes the same one. Each class keeps at least one
+    training image and, when it has two or more, gives at least one.
+
+    Returns:
+        ``(train, held_out)``.
+    """
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(images.labels)
+    train_idx, val_idx = [], []
+    for c in range(len(images.classes)):
+        idx = np.flatnonzero(labels == c)
+        idx = idx[rng.permutation(len(idx))]
+        n_val = int(round(len(idx) * fraction))
+        if fraction > 0 and len(idx) >= 2:
+            n_val = min(max(n_val, 1), len(idx) - 1)
+        else:
+            n_val = 0
+        val_idx.extend(sorted(idx[:n_val].tolist()))
+        train_idx.extend(sorted(idx[n_val:].tolist()))
+    return images.subset(sorted(train_idx)), images.subset(sorted(val_idx))

@@ -1,0 +1,228 @@
+"""The Horovod glue: the only module of hvd_train that imports Horovod.
+
+Everything else receives a ``Context`` (rank, size, and a few collective
+helpers) and so runs, and is tested, as a single process too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train.errors import UserError
+
+T = TypeVar("T")
+
+# Launchers and the variables they set for every process they start.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+@dataclass
+class Context:
+    """This process's place in the job.
+
+    Attributes:
+        rank: global rank; rank 0 writes every output.
+        size: number of processes.
+        local_rank: rank on this host; picks the GPU.
+        local_size: processes on this host; divides the CPU cores.
+        launched_by_mpi: started by mpirun (directly or through horovodrun --mpi).
+    """
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    launched_by_mpi: bool = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    # The helpers below work without Horovod when size == 1, so single-process
+    # callers (and unit tests) need no launcher.
+    def broadcast_object(self, obj: T, name: str) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        import horovod.tensorflow as hvd
+
+        return hvd.broadcast_object(obj, root_rank=0, name=name)
+
+    def allgather_object(self, obj: T, name: str) -> list[T]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        import horovod.tensorflow as hvd
+
+        return hvd.allgather_object(obj, name=name)
+
+    def allreduce_sum(self, array: np.ndarray, name: str) -> np.ndarray:
+        """Element-wise sum of ``array`` over all ranks (same shape on each)."""
+        if self.size == 1:
+            return np.asarray(array)
+        import horovod.tensorflow as hvd
+        import tensorflow as tf
+
+        return hvd.allreduce(tf.constant(array), op=hvd.Sum, name=name).numpy()
+
+    def on_root(self, fn: Callable[[], T], name: str) -> T:
+        """Runs ``fn`` on rank 0 only and gives its result, or its UserError, to all.
+
+        Used for work that must happen once (listing a folder, downloading
+        weights): if rank 0 fails, every rank raises the same error instead of
+        waiting for a broadcast that never comes.
+        """
+        outcome: tuple[bool, Any] = (True, None)
+        if self.is_root:
+            try:
+                outcome = (True, fn())
+            except UserError as e:
+                outcome = (False, str(e))
+        ok, value = self.broadcast_object(outcome, name=name)
+        if not ok:
+            raise UserError(value, agreed=True)
+        return value
+
+    def agree(self, fn: Callable[[], T], name: str) -> T:
+        """Runs ``fn`` on every rank; a UserError on any rank is raised on all.
+
+        Returns:
+            This rank's result of ``fn``.
+        """
+        try:
+            value, error = fn(), None
+        except UserError as e:
+            value, error = None, str(e)
+        errors = [e for e in self.allgather_object(error, name=name) if e]
+        if errors:
+            raise UserError(errors[0], agreed=True)
+        return value
+
+
+def abort(code: int) -> None:
+    """Ends this process so that the launcher ends the others; never returns.
+
+    A normal exit would run Horovod's shutdown, which waits for the other
+    ranks, which may be waiting in a collective for this one: a hang.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # Horovod: MPI_Abort tears down every rank of an mpirun job at once.
+        mpi.COMM_WORLD.Abort(code)
+    # horovodrun ends the remaining workers when one exits non-zero.
+    os._exit(code)
+
+
+def launched_by_launcher() -> bool:
+    """Whether a launcher (horovodrun or mpirun) started this process."""
+    return "HOROVOD_RANK" in os.environ or any(v in os.environ for v in _MPI_VARS)
+
+
+def init(threads_per_rank: int = 0) -> Context:
+    """Initialises Horovod and TensorFlow for this process.
+
+    * Under plain ``mpirun`` (or ``horovodrun --mpi``) Horovod is initialised
+      from mpi4py's ``MPI.COMM_WORLD``, so MPI is set up with the thread
+      support Horovod needs and ``MPI_Abort`` is at hand to stop every rank.
+    * One GPU per local rank, with memory growth, when GPUs exist.
+    * CPU threads divided among the processes of a host, so N ranks on one
+      machine do not each start a thread per core.
+
+    Args:
+        threads_per_rank: TensorFlow threads per process (0: cores / local ranks).
+
+    Returns:
+        The context of this process.
+    """
+    import tensorflow as tf
+
+    launched_by_mpi = any(v in os.environ for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ
+    import horovod.tensorflow as hvd
+
+    if launched_by_mpi:
+        from mpi4py import MPI
+
+        # Horovod: share mpi4py's MPI_COMM_WORLD instead of initialising MPI twice.
+        hvd.init(comm=MPI.COMM_WORLD)
+    else:
+        hvd.init()
+    ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), launched_by_mpi)
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        # Horovod: pin one GPU per process, chosen by local rank.
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpus[ctx.local_rank % len(gpus)], "GPU")
+    else:
+        # Horovod: N processes on one host share its cores.
+        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ctx.local_size)
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+    return ctx
+
+
+def cpu_threads(ctx: Context, threads_per_rank: int = 0) -> int:
+    """CPU threads this process may use for its input pipeline."""
+    return threads_per_rank or max(1, (os.cpu_count() or 1) // ctx.local_size)
+
+
+def distributed_optimizer(optimizer, *, fp16_allreduce: bool, grad_accum: int):
+    """Wraps a Keras optimizer so that gradients are averaged over all ranks."""
+    import horovod.tensorflow.keras as hvd_keras
+
+    return hvd_keras.DistributedOptimizer(
+        optimizer,
+        # Horovod: halve the bytes on the wire; gradients are summed in float32 again.
+        compression=hvd_keras.Compression.fp16 if fp16_allreduce else hvd_keras.Compression.none,
+        # Horovod: accumulate N local batches before one allreduce and update.
+        backward_passes_per_step=grad_accum,
+        average_aggregated_gradients=True,
+    )
+
+
+def broadcast_variables(variables, ctx: Context) -> None:
+    """Gives every rank rank 0's values of ``variables`` (weights, optimizer state)."""
+    if ctx.size == 1:
+        return
+    import horovod.tensorflow as hvd
+
+    hvd.broadcast_variables(variables, root_rank=0)
+
+
+def average_variables(variables, ctx: Context, name: str) -> None:
+    """Sets each variable to its mean over all ranks (in place)."""
+    if ctx.size == 1 or not variables:
+        return
+    import horovod.tensorflow as hvd
+
+    averaged = hvd.grouped_allreduce([v.read_value() for v in variables], op=hvd.Average, name=name)
+    for variable, value in zip(variables, averaged):
+        variable.assign(value)
+
+
+def metric_average_callback():
+    """Horovod's callback that averages epoch metrics over ranks in place."""
+    import horovod.tensorflow.keras as hvd_keras
+
+    return hvd_keras.callbacks.MetricAverageCallback()
+
+
+def versions() -> dict[str, str]:
+    import horovod
+    import tensorflow as tf
+
+    from hvd_train.compat import keras
+
+    return {"tensorflow": tf.__version__, "keras": keras.__version__, "horovod": horovod.__version__}

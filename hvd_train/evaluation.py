@@ -1,0 +1,118 @@
+"""Exact evaluation: every held-out image counted once, across all ranks.
+
+Each rank scores its own share of the images (see ``data.pipeline.eval_dataset``:
+no padding, no sampling) and keeps sums: images, loss, top-1 and top-k hits
+and a confusion matrix. One allreduce adds the sums of all ranks. There is
+no collective inside the loop, so ranks with one batch more than others do
+not wait for each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_train.distributed import Context
+
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Sums over every held-out image of every rank.
+
+    Attributes:
+        count: images scored.
+        loss_sum: summed cross-entropy.
+        top1: images whose top class is right.
+        topk: images whose right class is among the ``k`` most probable.
+        k: the ``k`` of ``topk``: 5, or the number of classes when fewer.
+        confusion: ``confusion[true, predicted]`` image counts.
+    """
+
+    count: int
+    loss_sum: float
+    top1: int
+    topk: int
+    k: int
+    confusion: np.ndarray
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(1, self.count)
+
+    @property
+    def accuracy(self) -> float:
+        return self.top1 / max(1, self.count)
+
+    @property
+    def top5(self) -> float:
+        return self.topk / max(1, self.count)
+
+    def per_class_accuracy(self) -> list[float | None]:
+        """Accuracy of each true class; None for a class with no images."""
+        totals = self.confusion.sum(axis=1)
+        return [float(self.confusion[c, c] / t) if t else None for c, t in enumerate(totals)]
+
+
+def _make_step(model, num_classes: int, k: int):
+    @tf.function(reduce_retracing=True)
+    def step(images, labels):
+        probs = tf.cast(model(images, training=False), tf.float32)
+        labels = tf.cast(labels, tf.int32)
+        loss = tf.keras.losses.sparse_categorical_crossentropy(labels, probs)
+        predicted = tf.argmax(probs, axis=1, output_type=tf.int32)
+        hits_k = tf.math.in_top_k(labels, probs, k)
+        confusion = tf.math.confusion_matrix(labels, predicted, num_classes=num_classes, dtype=tf.int64)
+        return (
+            tf.reduce_sum(tf.cast(loss, tf.float64)),
+            tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64)),
+            tf.reduce_sum(tf.cast(hits_k, tf.int64)),
+            confusion,
+        )
+
+    return step
+
+
+def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, name: str = "eval") -> EvalResult:
+    """Scores this rank's share of held-out images and sums over all ranks.
+
+    Every rank must call this (it ends in one allreduce).
+
+    Args:
+        model: a Keras model whose outputs are class probabilities.
+        dataset: this rank's ``(images, labels)`` batches.
+        num_classes: number of classes.
+        ctx: the job.
+        name: a name for the allreduce, unique per call site.
+
+    Returns:
+        The sums of all ranks.
+    """
+    k = min(TOP_K, num_classes)
+    cache = model.__dict__.setdefault("_hvd_train_eval_steps", {})
+    step = cache.get((num_classes, k))
+    if step is None:
+        step = cache[(num_classes, k)] = _make_step(model, num_classes, k)
+    count, loss_sum, top1, topk = 0, 0.0, 0, 0
+    confusion = np.zeros((num_classes, num_classes), np.int64)
+    for images, labels in dataset:
+        batch_loss, batch_top1, batch_topk, batch_conf = step(images, labels)
+        count += int(labels.shape[0])
+        loss_sum += float(batch_loss)
+        top1 += int(batch_top1)
+        topk += int(batch_topk)
+        confusion += batch_conf.numpy()
+    local = np.concatenate([[count, loss_sum, top1, topk], confusion.ravel()]).astype(np.float64)
+    # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
+    total = ctx.allreduce_sum(local, name=name)
+    return EvalResult(
+        count=int(round(total[0])),
+        loss_sum=float(total[1]),
+        top1=int(round(total[2])),
+        topk=int(round(total[3])),
+        k=k,
+        confusion=np.rint(total[4:]).astype(np.int64).reshape(num_classes, num_classes),
+    )

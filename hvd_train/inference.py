@@ -1,0 +1,61 @@
+"""Loading a finished run's model for evaluation and prediction."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import yaml
+
+from hvd_train.compat import keras
+from hvd_train.errors import UserError
+from hvd_train.models import get_spec
+
+
+@dataclass(frozen=True)
+class Trained:
+    """A trained classifier and what it needs to score images.
+
+    Attributes:
+        model: the Keras model (outputs are class probabilities).
+        classes: class names, in output order.
+        image_size: side of the square input.
+        crop_fraction: the evaluation center crop used in training.
+        preprocess: the backbone's ``preprocess_input``.
+    """
+
+    model: object
+    classes: list[str]
+    image_size: int
+    crop_fraction: float
+    preprocess: object
+
+
+def load_trained(model_dir: str) -> Trained:
+    """Loads ``model.keras``, ``labels.json`` and ``run_config.yaml`` of a run.
+
+    Raises:
+        UserError: the folder is not a finished training run.
+    """
+    hint = "--model-dir takes the --output folder of a finished `hvd-train train`"
+    files = {name: os.path.join(model_dir, name) for name in ("model.keras", "labels.json", "run_config.yaml")}
+    for name, path in files.items():
+        if not os.path.isfile(path):
+            raise UserError(f"{model_dir} has no {name}; {hint}.")
+    with open(files["labels.json"], encoding="utf-8") as f:
+        classes = json.load(f)
+    with open(files["run_config.yaml"], encoding="utf-8") as f:
+        run_config = yaml.safe_load(f)
+    try:
+        model = keras.models.load_model(files["model.keras"], compile=False)
+    except Exception as e:  # a truncated or foreign file; Keras raises many types
+        raise UserError(f"cannot load {files['model.keras']} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+    spec = get_spec(run_config["model"]["name"])
+    return Trained(
+        model=model,
+        classes=list(classes),
+        image_size=int(model.input_shape[1]),
+        crop_fraction=float(run_config["data"]["crop_fraction"]),
+        preprocess=spec.preprocess_input(),
+    )

@@ -1,0 +1,37 @@
+"""A rank-aware logger.
+
+Rank 0 speaks at INFO by default; other ranks only report warnings and
+errors, prefixed with ``[rank i/n]`` so a user can tell who said what. With
+``all_ranks=True`` every rank logs at INFO (useful when debugging sharding).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "hvd_train"
+
+
+def get_logger(name: str | None = None) -> logging.Logger:
+    """Returns the package logger or one of its children."""
+    return logging.getLogger(LOGGER_NAME if not name else f"{LOGGER_NAME}.{name}")
+
+
+def setup(rank: int = 0, size: int = 1, all_ranks: bool = False, level: int = logging.INFO) -> None:
+    """Configures the package logger for this process.
+
+    Args:
+        rank: this process's Horovod rank.
+        size: number of processes in the job.
+        all_ranks: whether ranks other than 0 log at ``level`` too.
+        level: level of rank 0 (and of every rank with ``all_ranks``).
+    """
+    logger = get_logger()
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = f"[rank {rank}/{size}] " if size > 1 and (rank != 0 or all_ranks) else ""
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(level if rank == 0 or all_ranks else logging.WARNING)
+    logger.propagate = False

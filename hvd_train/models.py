@@ -1,0 +1,179 @@
+"""Keras applications backbones with a new classification head.
+
+Any model of ``keras.applications`` is available by its name; the list is
+read from Keras itself, so a new Keras release brings its new models along.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hvd_train.compat import keras
+from hvd_train.config import ModelConfig
+from hvd_train.errors import UserError
+
+# Input sizes the ImageNet weights were trained at, where they differ from 224.
+_DEFAULT_SIZES = {
+    "InceptionV3": 299,
+    "InceptionResNetV2": 299,
+    "Xception": 299,
+    "NASNetLarge": 331,
+    "EfficientNetB1": 240,
+    "EfficientNetB2": 260,
+    "EfficientNetB3": 300,
+    "EfficientNetB4": 380,
+    "EfficientNetB5": 456,
+    "EfficientNetB6": 528,
+    "EfficientNetB7": 600,
+    "EfficientNetV2B1": 240,
+    "EfficientNetV2B2": 260,
+    "EfficientNetV2B3": 300,
+    "EfficientNetV2S": 384,
+    "EfficientNetV2M": 480,
+    "EfficientNetV2L": 480,
+    "ResNetRS50": 160,
+    "ResNetRS101": 192,
+    "ResNetRS152": 256,
+    "ResNetRS200": 256,
+    "ResNetRS270": 256,
+    "ResNetRS350": 288,
+    "ResNetRS420": 320,
+}
+
+# BatchNormalization momentum for backbones trained from scratch: the Keras
+# applications use 0.99-0.999, whose moving averages trail the weights by
+# hundreds of steps; on a short fine-tuning run evaluation then sees stale
+# statistics and stays near chance while training accuracy rises.
+SCRATCH_BN_MOMENTUM = 0.9
+
+HEAD_LAYER = "predictions"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One keras.applications model.
+
+    Attributes:
+        name: its constructor's name, e.g. ``ResNet50``.
+        constructor: the function that builds it.
+        module: the module holding it and its ``preprocess_input``.
+        default_size: input side its ImageNet weights were trained at.
+    """
+
+    name: str
+    constructor: Callable
+    module: str
+    default_size: int
+
+    def preprocess_input(self):
+        return importlib.import_module(self.module).preprocess_input
+
+
+def available_models() -> dict[str, ModelSpec]:
+    """All keras.applications models, by name."""
+    specs = {}
+    for name, fn in inspect.getmembers(keras.applications, inspect.isfunction):
+        if name[0].isupper() and "include_top" in inspect.signature(fn).parameters:
+            specs[name] = ModelSpec(name, fn, fn.__module__, _DEFAULT_SIZES.get(name, 224))
+    return specs
+
+
+def get_spec(name: str) -> ModelSpec:
+    """The spec of model ``name``.
+
+    Raises:
+        UserError: unknown name; the message suggests close matches.
+    """
+    specs = available_models()
+    if name in specs:
+        return specs[name]
+    folded = {n.lower(): n for n in specs}
+    if name.lower() in folded:
+        return specs[folded[name.lower()]]
+    import difflib
+
+    close = difflib.get_close_matches(name, list(specs), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    raise UserError(f"unknown model {name!r} (--model);{hint} `hvd-train models` lists all.")
+
+
+def resolve_bn(cfg: ModelConfig) -> tuple[str, float]:
+    """BatchNormalization mode and momentum after applying the ``auto`` defaults.
+
+    Returns:
+        ``(mode, momentum)``; momentum 0 means "keep the model's own".
+    """
+    pretrained = cfg.weights != "none"
+    mode = cfg.bn_mode if cfg.bn_mode != "auto" else ("inference" if pretrained else "train")
+    momentum = cfg.bn_momentum or (0.0 if pretrained else SCRATCH_BN_MOMENTUM)
+    return mode, momentum
+
+
+def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weights: bool = True):
+    """Builds backbone + head: GlobalAveragePooling2D, Dropout, Dense(softmax).
+
+    Args:
+        cfg: the model section of the configuration.
+        num_classes: outputs of the new head.
+        image_size: side of the square input.
+        load_weights: load ``cfg.weights``; other Horovod ranks pass False and
+            receive rank 0's weights by broadcast.
+
+    Returns:
+        A functional ``keras.Model`` whose last layer is named ``predictions``.
+
+    Raises:
+        UserError: the weights cannot be downloaded or do not fit the model,
+            or the input size is too small for it.
+    """
+    spec = get_spec(cfg.name)
+    weights = cfg.weights if load_weights else "none"
+    try:
+        backbone = spec.constructor(
+            include_top=False,
+            weights=None if weights == "none" else weights,
+            input_shape=(image_size, image_size, 3),
+        )
+    except Exception as e:  # Keras raises bare Exception for download failures
+        raise _weights_error(e, spec, cfg.weights, image_size) from None
+    mode, momentum = resolve_bn(cfg)
+    for layer in backbone.layers:
+        if isinstance(layer, keras.layers.BatchNormalization) and momentum:
+            layer.momentum = momentum
+    if cfg.freeze_backbone:
+        backbone.trainable = False
+    elif cfg.trainable_layers:
+        for layer in backbone.layers[: -cfg.trainable_layers]:
+            layer.trainable = False
+
+    inputs = keras.Input((image_size, image_size, 3), name="image")
+    # training=False keeps BatchNormalization on its moving statistics while the
+    # convolutions still learn: Keras' advice for fine-tuning pretrained models.
+    x = backbone(inputs, training=False) if mode == "inference" else backbone(inputs)
+    x = keras.layers.GlobalAveragePooling2D(name="avg_pool")(x)
+    if cfg.dropout:
+        x = keras.layers.Dropout(cfg.dropout, name="head_dropout")(x)
+    outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(x)
+    return keras.Model(inputs, outputs, name=f"{spec.name}_classifier")
+
+
+def _weights_error(e: Exception, spec: ModelSpec, weights: str, image_size: int) -> UserError:
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if weights == "imagenet" and ("fetch" in reason.lower() or "url" in reason.lower()):
+        cache = os.path.join(os.environ.get("KERAS_HOME", os.path.expanduser("~/.keras")), "models")
+        return UserError(
+            f"could not download the ImageNet weights of {spec.name} ({reason}); put the weights "
+            f"file in the Keras cache folder {cache}, or pass --weights PATH to a weights file, "
+            f"or --weights none to train from scratch."
+        )
+    if weights not in ("imagenet", "none"):
+        return UserError(
+            f"weights file {weights} does not fit {spec.name} without its top at "
+            f"{image_size}x{image_size} ({reason}); pass a file saved from that model "
+            f"(include_top=False), --weights imagenet or --weights none."
+        )
+    return UserError(f"cannot build {spec.name} at --image-size {image_size}: {reason}")

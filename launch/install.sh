@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Install everything hvd_train needs on a Debian machine with Python 3.11:
+# Open MPI, a virtual environment, TensorFlow + tf-keras, mpi4py, Horovod
+# (built from source against that TensorFlow, with Gloo and MPI, NCCL when
+# asked) and hvd_train itself.
+#
+# Idempotent and cached: each step is skipped when its result is already
+# there, and the Horovod wheel is kept in a cache folder keyed by the
+# versions it was built against, so a second install (or a fresh clone on the
+# same machine) does not rebuild it.
+#
+# Environment:
+#   HVD_TRAIN_VENV     virtual environment to create/use   (default: ./.venv)
+#   HVD_TRAIN_EXTRAS   extras of hvd_train to install      (default: test)
+#   HVD_TRAIN_GPU      1 builds Horovod with NCCL           (default: 0)
+#   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
+#   PYTHON             interpreter for the venv             (default: python3)
+set -euo pipefail
+
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${HVD_TRAIN_VENV:-$here/.venv}
+extras=${HVD_TRAIN_EXTRAS:-test}
+gpu=${HVD_TRAIN_GPU:-0}
+python=${PYTHON:-python3}
+
+# The stack, pinned together: Horovod 0.28.1 (its last release) builds
+# against TensorFlow 2.15-2.18 but not 2.19+ (missing headers).
+TF_VERSION=2.18.1
+TF_KERAS_VERSION=2.18.0
+HOROVOD_VERSION=0.28.1
+
+log() { printf '[install] %s\n' "$*"; }
+start=$(date +%s)
+
+# --- 1. system packages -------------------------------------------------------
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make)
+missing=()
+for p in "${apt_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  log "apt: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  log "apt: ${apt_packages[*]} already installed"
+fi
+
+# --- 2. virtual environment -------------------------------------------------
+if [[ ! -x "$venv/bin/python" ]]; then
+  log "venv: creating $venv"
+  "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+pyver=$("$venv/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+
+installed() { # name version -> 0 when that exact version is installed in the venv
+  [[ "$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null)" == "$2" ]]
+}
+
+# --- 3. TensorFlow, tf-keras and the build requirements of Horovod ------------
+if installed tensorflow "$TF_VERSION" && installed tf-keras "$TF_KERAS_VERSION"; then
+  log "pip: tensorflow $TF_VERSION and tf-keras $TF_KERAS_VERSION already installed"
+else
+  log "pip: installing tensorflow $TF_VERSION, tf-keras $TF_KERAS_VERSION"
+  "${pip[@]}" install -q "tensorflow==$TF_VERSION" "tf-keras==$TF_KERAS_VERSION" \
+    setuptools wheel packaging cloudpickle psutil pyyaml cffi
+fi
+
+# --- 4. mpi4py, compiled against the system Open MPI (never a bundled MPI) ----
+if "$venv/bin/python" -c 'import mpi4py' 2>/dev/null; then
+  log "pip: mpi4py already installed"
+else
+  log "pip: building mpi4py against $(command -v mpicc)"
+  "${pip[@]}" install -q --no-binary mpi4py mpi4py
+fi
+
+# --- 5. Horovod, built once per (Horovod, TensorFlow, Python, GPU) ------------
+variant=cpu
+[[ "$gpu" == 1 ]] && variant=nccl
+cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}
+wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$pyver-$variant"
+if installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - <<'PY' 2>/dev/null
+import os
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import horovod.tensorflow as hvd
+assert hvd.gloo_built() and hvd.mpi_built()
+PY
+then
+  log "horovod $HOROVOD_VERSION already installed"
+else
+  if ! compgen -G "$wheel_dir/horovod-*.whl" >/dev/null; then
+    log "horovod: building $HOROVOD_VERSION from source against tensorflow $TF_VERSION ($variant); this takes about 10 minutes"
+    mkdir -p "$wheel_dir.tmp"
+    export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
+    export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
+    if [[ "$variant" == nccl ]]; then
+      export HOROVOD_GPU_OPERATIONS=NCCL
+    fi
+    # --no-build-isolation: Horovod must compile against the TensorFlow in
+    # this venv, not a different one pip would fetch for an isolated build.
+    "${pip[@]}" wheel -q --no-deps --no-build-isolation --no-cache-dir \
+      -w "$wheel_dir.tmp" "horovod==$HOROVOD_VERSION"
+    rm -rf "$wheel_dir"
+    mv "$wheel_dir.tmp" "$wheel_dir"
+  else
+    log "horovod: using cached wheel in $wheel_dir"
+  fi
+  "${pip[@]}" install -q --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
+fi
+
+# --- 6. hvd_train itself ----------------------------------------------------
+log "pip: installing hvd_train[$extras] (editable)"
+"${pip[@]}" install -q -e "$here[$extras]"
+
+# --- 7. check ---------------------------------------------------------------
+export TF_USE_LEGACY_KERAS=1
+"$venv/bin/horovodrun" --check-build | sed 's/^/[install] /'
+log "done in $(( $(date +%s) - start ))s; activate with: source $venv/bin/activate"
