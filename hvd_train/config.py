@@ -205,6 +205,13 @@ class TrainConfig:
         _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
         _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
         _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
+        for flag, folder in (("--data", d.train), ("--val-data", d.val)):
+            _require(
+                not folder or not _inside(r.output, folder),
+                "--output",
+                r.output,
+                f"it is inside {flag} {folder}, where its files would be read as a class; choose another folder",
+            )
         _require(
             m.weights in ("imagenet", "none") or os.path.isfile(m.weights),
             "--weights",
@@ -218,6 +225,11 @@ class TrainConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _inside(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
 
 
 def _require(ok: bool, flag: str, value: Any, fix: str) -> None:

@@ -124,11 +124,6 @@ def abort(code: int) -> None:
     os._exit(code)
 
 
-def launched_by_launcher() -> bool:
-    """Whether a launcher (horovodrun or mpirun) started this process."""
-    return "HOROVOD_RANK" in os.environ or any(v in os.environ for v in _MPI_VARS)
-
-
 def init(threads_per_rank: int = 0) -> Context:
     """Initialises Horovod and TensorFlow for this process.
 
@@ -167,9 +162,12 @@ def init(threads_per_rank: int = 0) -> Context:
         tf.config.set_visible_devices(gpus[ctx.local_rank % len(gpus)], "GPU")
     else:
         # Horovod: N processes on one host share its cores.
-        threads = threads_per_rank or max(1, (os.cpu_count() or 1) // ctx.local_size)
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+        threads = cpu_threads(ctx, threads_per_rank)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+        except RuntimeError:  # TensorFlow already started in this process (tests)
+            pass
     return ctx
 
 

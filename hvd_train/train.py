@@ -19,6 +19,7 @@ import os
 import shutil
 import statistics
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
@@ -64,13 +65,26 @@ class Classifier(keras.Model):
         return self.compute_metrics(images, labels, probs, None)
 
 
-def run(cfg: TrainConfig, ctx: Context) -> dict:
+@dataclass(frozen=True)
+class Outcome:
+    """What a run leaves on each rank.
+
+    Attributes:
+        summary: the numbers of ``summary.json``.
+        model: the trained model of this rank.
+    """
+
+    summary: dict
+    model: keras.Model
+
+
+def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     """Trains, evaluates and writes the outputs of ``cfg`` on this rank.
 
     Every rank of the job calls this with the same configuration.
 
     Returns:
-        The summary (also written to ``summary.json`` by rank 0).
+        The summary (also written to ``summary.json`` by rank 0) and the model.
 
     Raises:
         UserError: on every rank, for bad data, weights or options.
@@ -197,15 +211,24 @@ def run(cfg: TrainConfig, ctx: Context) -> dict:
             tensorboard=cfg.run.tensorboard,
             state={"world_size": ctx.size, "global_batch": plan.global_batch},
         )
-        history = model.fit(
-            shard.dataset,
-            epochs=cfg.run.epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=shard.steps_per_epoch,
-            callbacks=callbacks,
-            # Horovod: progress output from rank 0 only.
-            verbose=(1 if _interactive() else 2) if ctx.is_root else 0,
-        )
+        try:
+            history = model.fit(
+                shard.dataset,
+                epochs=cfg.run.epochs,
+                initial_epoch=initial_epoch,
+                steps_per_epoch=shard.steps_per_epoch,
+                callbacks=callbacks,
+                # Horovod: progress output from rank 0 only.
+                verbose=(1 if _interactive() else 2) if ctx.is_root else 0,
+            )
+        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError) as e:
+            # Images were checked at the start; failing now means one changed
+            # during the run. Only this rank knows: it ends the job (cli.main).
+            reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
+            raise UserError(
+                f"rank {ctx.rank} could not read its input during training ({reason}); "
+                f"was an image deleted or changed while training? Fix the data and rerun (--resume continues)."
+            ) from None
     else:
         log.info("all %d epochs are done already (checkpoint in %s); evaluating", cfg.run.epochs, out)
 
@@ -235,7 +258,7 @@ def run(cfg: TrainConfig, ctx: Context) -> dict:
                 ctx.size,
             )
         log.info("outputs in %s", out)
-    return summary
+    return Outcome(summary, model)
 
 
 def _prepare_output(cfg: TrainConfig) -> None:

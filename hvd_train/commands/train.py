@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.from_sources(args)
 
     from hvd_train import distributed, log, train
+    from hvd_train.models import get_spec
+
+    get_spec(cfg.model.name)
 
     ctx = distributed.init(cfg.horovod.threads_per_rank)
     if cfg.run.log_all_ranks:

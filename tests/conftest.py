@@ -1,0 +1,146 @@
+"""Shared fixtures: tiny image folders, and running the real CLI and launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BIN = Path(sys.executable).parent
+HVD_TRAIN = [sys.executable, "-m", "hvd_train"]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """Environment of launched jobs: unbuffered output, Open MPI allowed as root."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    env.update(extra)
+    return env
+
+
+def run(args: list, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """Runs a command in its own process group; returns it with stdout and stderr as text.
+
+    On timeout the whole group (launcher and every rank) is killed and the
+    test fails: a hung job must never outlive its test.
+    """
+    proc = start(args, **env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s (hung?): {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def start(args: list, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(a) for a in args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(**env),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def launcher_command(launcher: str, np_: int) -> list:
+    """The launcher part of a command: horovodrun (Gloo or MPI) or plain mpirun."""
+    if launcher == "horovodrun-gloo":
+        return [BIN / "horovodrun", "-np", str(np_), "--gloo"]
+    if launcher == "horovodrun-mpi":
+        return [BIN / "horovodrun", "-np", str(np_), "--mpi"]
+    if launcher == "mpirun":
+        # As on a cluster: bind nothing (2 ranks share 2 cores), forward what workers need.
+        return [
+            "mpirun",
+            "-np",
+            str(np_),
+            "--bind-to",
+            "none",
+            "-x",
+            "PYTHONUNBUFFERED",
+            "-x",
+            "PATH",
+            "-x",
+            "TF_CPP_MIN_LOG_LEVEL",
+        ]
+    raise ValueError(launcher)
+
+
+def launch(launcher: str, np_: int, program: list, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    return run([*launcher_command(launcher, np_), *program], timeout=timeout, **env)
+
+
+def cli(args: list, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m hvd_train ARGS`` as one process."""
+    return run([*HVD_TRAIN, *args], timeout=timeout)
+
+
+def output_of(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())
+
+
+def write_images(root: Path, counts: dict[str, int], size: int = 32, seed: int = 0) -> Path:
+    """Writes ``root/<class>/img-N.png`` with a class-specific colour; returns root."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for k, (name, count) in enumerate(sorted(counts.items())):
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            pixels = rng.integers(0, 60, (size, size, 3), dtype=np.uint8)
+            pixels[..., k % 3] += 150
+            Image.fromarray(pixels).save(folder / f"img-{i:03d}.png")
+    return root
+
+
+# Options of a training run that takes seconds on a CPU.
+TINY = [
+    "--model",
+    "MobileNetV2",
+    "--weights",
+    "none",
+    "--image-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--no-tensorboard",
+    "--threads-per-rank",
+    "1",
+]
+
+
+@pytest.fixture(scope="session")
+def demo_small(tmp_path_factory) -> Path:
+    """The demo patterns, 23 per class (5 classes): 25 held out with --val-split 0.2."""
+    from hvd_train import compat  # noqa: F401
+    from hvd_train.demo import make_demo_data
+
+    return Path(make_demo_data(str(tmp_path_factory.mktemp("demo") / "data"), per_class=23, size=40))

@@ -1,0 +1,25 @@
+"""Launched under horovodrun/mpirun by the tests: train, then dump this rank's weights.
+
+Usage: python train_and_dump.py DUMP_DIR TRAIN-ARGS...
+The test compares the files of all ranks; this script asserts what one rank can.
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from hvd_train import config, distributed, log, train
+
+dump_dir, train_args = sys.argv[1], sys.argv[2:]
+parser = argparse.ArgumentParser()
+config.add_arguments(parser)
+cfg = config.from_sources(parser.parse_args(train_args))
+ctx = distributed.init(cfg.horovod.threads_per_rank)
+log.setup(ctx.rank, ctx.size)
+outcome = train.run(cfg, ctx)
+assert outcome.summary["world_size"] == ctx.size == int(os.environ.get("EXPECTED_SIZE", ctx.size))
+weights = outcome.model.get_weights()
+np.savez(os.path.join(dump_dir, f"weights-rank{ctx.rank}.npz"), *weights)
+print(f"rank {ctx.rank}/{ctx.size} dumped {len(weights)} arrays", flush=True)

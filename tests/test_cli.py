@@ -1,0 +1,148 @@
+"""The real command line, one process: outputs, evaluate, predict, and bad input."""
+
+import csv
+import json
+
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import TINY, cli, output_of, read_json, write_images
+
+
+@pytest.fixture(scope="module")
+def trained_run(demo_small, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    proc = cli(
+        ["train", "--data", demo_small, "--output", out, *TINY, "--epochs", "2", "--val-split", "0.2", "--tensorboard"]
+    )
+    assert proc.returncode == 0, output_of(proc)
+    return out, proc
+
+
+def test_outputs_of_a_run(trained_run, demo_small):
+    out, proc = trained_run
+    classes = json.loads((out / "labels.json").read_text())
+    assert classes == sorted(p.name for p in demo_small.iterdir() if p.is_dir())
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [
+        "epoch",
+        "loss",
+        "accuracy",
+        "val_loss",
+        "val_accuracy",
+        "val_top5",
+        "lr",
+        "images_per_sec",
+        "epoch_seconds",
+    ]
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert all(float(r["images_per_sec"]) > 0 and r["val_accuracy"] != "" for r in rows)
+    summary = read_json(out / "summary.json")
+    assert summary["val_images"] == 25 and summary["world_size"] == 1
+    assert summary["global_batch"] == 8 and summary["tensorflow"] and summary["horovod"] == "0.28.1"
+    assert summary["val_accuracy"] == pytest.approx(float(rows[-1]["val_accuracy"]), abs=1e-5)
+    config = yaml.safe_load((out / "run_config.yaml").read_text())
+    assert config["data"]["train"] == str(demo_small) and config["run"]["epochs"] == 2
+    assert (out / "model.keras").stat().st_size > 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002"]
+    assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
+    assert "held-out accuracy" in proc.stderr
+
+
+def test_evaluate_reports_every_image(trained_run, demo_small, tmp_path):
+    out, _ = trained_run
+    report = tmp_path / "eval.json"
+    proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--batch-size", "7", "--report", report])
+    assert proc.returncode == 0, output_of(proc)
+    result = read_json(report)
+    assert result["images"] == 115
+    assert sum(map(sum, result["confusion_matrix"])) == 115
+    assert set(result["per_class_accuracy"]) == set(result["classes"])
+    assert f"accuracy  {result['accuracy']:.4f}" in proc.stdout
+
+
+def test_predict_writes_csv(trained_run, demo_small, tmp_path):
+    out, _ = trained_run
+    folder = demo_small / "dots"
+    one_file = next((demo_small / "checkerboard").glob("*.png"))
+    target = tmp_path / "pred.csv"
+    proc = cli(["predict", "--model-dir", out, one_file, folder, "--output", target])
+    assert proc.returncode == 0, output_of(proc)
+    with open(target) as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["path"] == str(one_file)
+    assert len(rows) == 1 + len([p for p in folder.rglob("*") if p.is_file()])
+    classes = json.loads((out / "labels.json").read_text())
+    assert all(r["label"] in classes and 0 < float(r["probability"]) <= 1 for r in rows)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, output_of(proc)
+    assert "Traceback" not in proc.stderr, output_of(proc)
+    errors = [line for line in proc.stderr.splitlines() if "ERROR error:" in line]
+    assert len(errors) == 1, output_of(proc)
+    for fragment in fragments:
+        assert fragment in errors[0], output_of(proc)
+
+
+def test_missing_data_folder(tmp_path):
+    proc = cli(["train", "--data", tmp_path / "nope", "--output", tmp_path / "o", *TINY])
+    assert_one_line_error(proc, "does not exist", "--data")
+
+
+def test_single_class_folder(tmp_path):
+    write_images(tmp_path / "d", {"only": 3})
+    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", *TINY])
+    assert_one_line_error(proc, "at least 2")
+
+
+def test_unknown_model(tmp_path):
+    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--model", "ResNet5O"])
+    assert_one_line_error(proc, "unknown model 'ResNet5O'", "ResNet50")
+
+
+def test_invalid_option_value(tmp_path):
+    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--val-split", "2"])
+    assert_one_line_error(proc, "`--val-split`", "val_split=2.0")
+
+
+def test_bad_image_fails_with_fail_policy(tmp_path):
+    data = write_images(tmp_path / "d", {"a": 4, "b": 4})
+    (data / "a" / "broken.jpg").write_bytes(b"")
+    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--on-bad-image", "fail"])
+    assert_one_line_error(proc, "broken.jpg", "empty file", "--on-bad-image skip")
+    assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_bad_images_are_skipped_and_listed(tmp_path):
+    data = write_images(tmp_path / "d", {"a": 6, "b": 6})
+    (data / "a" / "zero.png").write_bytes(b"")
+    (data / "b" / "text.jpg").write_text("hello")
+    Image.new("CMYK", (20, 20), (10, 200, 30, 0)).save(data / "b" / "cmyk.jpg")
+    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--epochs", "1", "--val-split", "0"])
+    assert proc.returncode == 0, output_of(proc)
+    assert "skipping 2 image(s)" in proc.stderr
+    assert "zero.png: empty file" in proc.stderr and "text.jpg: Unknown image file format" in proc.stderr
+    assert "cmyk.jpg" not in proc.stderr
+
+
+def test_weights_that_do_not_fit(tmp_path):
+    from hvd_train.compat import keras
+
+    path = tmp_path / "resnet.h5"
+    keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3)).save_weights(path)
+    data = write_images(tmp_path / "d", {"a": 3, "b": 3})
+    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--weights", path])
+    assert_one_line_error(proc, f"weights file {path} does not fit MobileNetV2")
+
+
+def test_evaluate_needs_a_finished_run(tmp_path):
+    proc = cli(["evaluate", "--model-dir", tmp_path, "--data", tmp_path])
+    assert_one_line_error(proc, "has no model.keras", "--model-dir")
+
+
+def test_models_lists_names():
+    proc = cli(["models"])
+    assert proc.returncode == 0 and "ResNet50 " in proc.stdout and "EfficientNetB0" in proc.stdout

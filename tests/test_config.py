@@ -1,0 +1,107 @@
+import argparse
+
+import pytest
+
+from hvd_train import config
+from hvd_train.errors import UserError
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_then_yaml_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train: /from/yaml\n  batch_size: 48\nmodel:\n  name: ResNet50\nrun:\n  output: out\n")
+    cfg = config.from_sources(parse(["--config", str(path), "--batch-size", "12"]))
+    assert cfg.data.train == "/from/yaml"  # from the file
+    assert cfg.data.batch_size == 12  # the flag wins
+    assert cfg.model.name == "ResNet50"
+    assert cfg.optim.base_lr == config.OptimConfig().base_lr  # default
+
+
+def test_boolean_flags_and_yaml_roundtrip(tmp_path):
+    cfg = config.from_sources(parse(["--data", "d", "--output", "o", "--no-resume", "--fp16-allreduce"]))
+    assert cfg.run.resume is False and cfg.horovod.fp16_allreduce is True
+    path = tmp_path / "again.yaml"
+    path.write_text(cfg.to_yaml())
+    assert config.from_sources(parse(["--config", str(path)])) == cfg
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--val-split", "1.5"], "--val-split"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--epochs", "0"], "--epochs"),
+        (["--base-lr", "-1"], "--base-lr"),
+        (["--grad-accum", "0"], "--grad-accum"),
+        (["--image-size", "16"], "--image-size"),
+        (["--weights", "/no/such/file.h5"], "--weights"),
+        (["--optimizer", "adam", "--head-lr-mult", "10"], "--head-lr-mult"),
+        (["--freeze-backbone", "--trainable-layers", "3"], "--trainable-layers"),
+    ],
+)
+def test_invalid_values_name_the_flag(argv, flag):
+    with pytest.raises(UserError, match=f"`{flag}` is invalid. Received: "):
+        config.from_sources(parse(["--data", "d", "--output", "o", *argv]))
+
+
+def test_missing_data_and_output():
+    with pytest.raises(UserError, match="`--data`"):
+        config.from_sources(parse(["--output", "o"]))
+    with pytest.raises(UserError, match="`--output`"):
+        config.from_sources(parse(["--data", "d"]))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model:\n  nmae: X\n", "unknown key model.nmae"),
+        ("modle:\n  name: X\n", "unknown section 'modle'"),
+        ("data:\n  batch_size: many\n", "`data.batch_size` must be int"),
+        ("run:\n  resume: maybe\n", "`run.resume` must be true or false"),
+        ("- a list\n", "must hold a mapping"),
+        ("data: [unclosed\n", "is not valid YAML"),
+    ],
+)
+def test_bad_config_files(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        config.from_sources(parse(["--config", str(path), "--data", "d", "--output", "o"]))
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UserError, match="cannot read config file"):
+        config.from_sources(parse(["--config", str(tmp_path / "nope.yaml")]))
+
+
+def test_plan_scales_learning_rate_and_pads_steps():
+    cfg = config.build(
+        {
+            "data": {"train": "d", "batch_size": 32},
+            "optim": {"base_lr": 0.1, "warmup_epochs": 2},
+            "run": {"output": "o", "epochs": 10},
+            "horovod": {"grad_accum": 2},
+        }
+    )
+    plan = config.make_plan(cfg, world_size=4, num_train=1000)
+    assert plan.global_batch == 32 * 4 * 2
+    assert plan.scaled_lr == pytest.approx(0.1 * 8)
+    # ceil(1000 / 128) = 8 batches per rank, already a multiple of grad_accum
+    assert plan.steps_per_epoch == 8
+    assert plan.steps_per_epoch * 32 * 4 >= 1000
+    assert plan.warmup_steps == 16 and plan.total_steps == 80
+    odd = config.make_plan(cfg, world_size=4, num_train=1100)  # ceil(1100/128) = 9 -> 10
+    assert odd.steps_per_epoch == 10
+
+
+def test_output_inside_data_is_refused(tmp_path):
+    with pytest.raises(UserError, match="`--output` is invalid.*inside --data"):
+        config.from_sources(parse(["--data", str(tmp_path), "--output", str(tmp_path / "run")]))
+    with pytest.raises(UserError, match="inside --data"):
+        config.from_sources(parse(["--data", str(tmp_path), "--output", str(tmp_path)]))
+    config.from_sources(parse(["--data", str(tmp_path / "d"), "--output", str(tmp_path / "d2")]))

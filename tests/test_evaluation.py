@@ -1,0 +1,43 @@
+import numpy as np
+import tensorflow as tf
+
+from hvd_train import compat  # noqa: F401
+from hvd_train.compat import keras
+from hvd_train.distributed import Context
+from hvd_train.evaluation import evaluate
+
+
+def fixed_model(num_classes):
+    """A model whose prediction is the input's own probability vector."""
+    inputs = keras.Input((num_classes,))
+    return keras.Model(inputs, keras.layers.Lambda(lambda x: x)(inputs))
+
+
+def test_sums_match_a_direct_computation():
+    rng = np.random.default_rng(3)
+    n, c = 37, 7
+    probs = rng.dirichlet(np.ones(c), n).astype("float32")
+    labels = rng.integers(0, c, n).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((probs, labels)).batch(8)
+    result = evaluate(fixed_model(c), ds, c, Context())
+    assert result.count == n
+    assert result.top1 == int((probs.argmax(1) == labels).sum())
+    top5 = np.argsort(-probs, axis=1)[:, :5]
+    assert result.topk == int(sum(labels[i] in top5[i] for i in range(n)))
+    expected_loss = -np.log(np.clip(probs[np.arange(n), labels], 1e-7, 1)).sum()
+    assert np.isclose(result.loss_sum, expected_loss, rtol=1e-4)
+    assert result.confusion.sum() == n
+    assert np.array_equal(np.diag(result.confusion).sum(), result.top1)
+    per_class = result.per_class_accuracy()
+    for k in range(c):
+        mask = labels == k
+        if mask.any():
+            assert np.isclose(per_class[k], (probs[mask].argmax(1) == k).mean())
+
+
+def test_fewer_than_five_classes_uses_top_k_of_all():
+    probs = np.array([[0.2, 0.8], [0.9, 0.1]], "float32")
+    ds = tf.data.Dataset.from_tensor_slices((probs, np.array([0, 0], "int32"))).batch(2)
+    result = evaluate(fixed_model(2), ds, 2, Context())
+    assert result.k == 2 and result.top5 == 1.0 and result.accuracy == 0.5
+    assert result.per_class_accuracy() == [0.5, None]

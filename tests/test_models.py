@@ -1,0 +1,102 @@
+import numpy as np
+import pytest
+
+from hvd_train.compat import keras
+from hvd_train.config import ModelConfig
+from hvd_train.errors import UserError
+from hvd_train.models import available_models, build_model, get_spec, resolve_bn
+
+
+def test_registry_has_the_keras_applications():
+    names = available_models()
+    for name in ("ResNet50", "MobileNetV2", "EfficientNetB0", "InceptionV3", "ConvNeXtTiny", "VGG16"):
+        assert name in names
+    assert names["InceptionV3"].default_size == 299
+    assert get_spec("mobilenetv2").name == "MobileNetV2"
+
+
+def test_unknown_model_suggests_close_names():
+    with pytest.raises(UserError, match="unknown model 'ResNet5' .*Did you mean .*ResNet50"):
+        get_spec("ResNet5")
+
+
+def test_bn_defaults_depend_on_pretrained_weights():
+    assert resolve_bn(ModelConfig(weights="imagenet")) == ("inference", 0.0)
+    assert resolve_bn(ModelConfig(weights="none")) == ("train", 0.9)
+    assert resolve_bn(ModelConfig(weights="none", bn_mode="inference", bn_momentum=0.5)) == ("inference", 0.5)
+
+
+def _moving_means(model):
+    return [w.numpy().copy() for w in model.weights if "moving_mean" in w.name]
+
+
+def _one_train_step(model):
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
+    x = np.random.default_rng(0).uniform(0, 1, (4, 32, 32, 3)).astype("float32")
+    model.train_on_batch(x, np.array([0, 1, 2, 0]))
+
+
+@pytest.mark.parametrize("mode, changes", [("inference", False), ("train", True)])
+def test_bn_mode_controls_moving_statistics(mode, changes):
+    model = build_model(ModelConfig(name="MobileNetV2", weights="none", bn_mode=mode), 3, 32)
+    before = _moving_means(model)
+    _one_train_step(model)
+    after = _moving_means(model)
+    moved = any(not np.allclose(a, b) for a, b in zip(before, after))
+    assert moved is changes
+
+
+def test_scratch_bn_momentum_is_applied():
+    model = build_model(ModelConfig(name="MobileNetV2", weights="none"), 3, 32)
+    backbone = model.layers[1]
+    momenta = {layer.momentum for layer in backbone.layers if isinstance(layer, keras.layers.BatchNormalization)}
+    assert momenta == {0.9}
+
+
+def test_freeze_and_trainable_layers():
+    frozen = build_model(ModelConfig(name="MobileNetV2", weights="none", freeze_backbone=True), 3, 32)
+    assert [v.name for v in frozen.trainable_variables] == ["predictions/kernel:0", "predictions/bias:0"]
+    partial = build_model(ModelConfig(name="MobileNetV2", weights="none", trainable_layers=4), 3, 32)
+    backbone = partial.layers[1]
+    assert [layer.trainable for layer in backbone.layers[-4:]] == [True] * 4
+    assert not any(layer.trainable for layer in backbone.layers[:-4])
+
+
+def test_weights_file_made_here_is_loaded(tmp_path):
+    source = keras.applications.MobileNetV2(include_top=False, weights=None, input_shape=(32, 32, 3))
+    path = tmp_path / "backbone.h5"
+    source.save_weights(path)
+    model = build_model(ModelConfig(name="MobileNetV2", weights=str(path)), 3, 32)
+    loaded = model.layers[1].get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(loaded, source.get_weights()))
+
+
+def test_weights_file_that_does_not_fit(tmp_path):
+    other = keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3))
+    path = tmp_path / "resnet.h5"
+    other.save_weights(path)
+    with pytest.raises(UserError, match=f"weights file {path} does not fit MobileNetV2 .*--weights none"):
+        build_model(ModelConfig(name="MobileNetV2", weights=str(path)), 3, 32)
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not hdf5")
+    with pytest.raises(UserError, match="does not fit MobileNetV2"):
+        build_model(ModelConfig(name="MobileNetV2", weights=str(junk)), 3, 32)
+
+
+def test_imagenet_download_failure_names_the_fix(tmp_path, monkeypatch):
+    # No internet here: Keras' real download fails, as it does behind a firewall.
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    monkeypatch.setattr("socket.getaddrinfo", _no_network)
+    with pytest.raises(UserError, match="could not download the ImageNet weights of MobileNetV2 .*--weights PATH"):
+        build_model(ModelConfig(name="MobileNetV2", weights="imagenet"), 3, 96)
+
+
+def _no_network(*args, **kwargs):
+    import socket
+
+    raise socket.gaierror(-2, "Name or service not known")
+
+
+def test_input_too_small_for_the_model():
+    with pytest.raises(UserError, match="cannot build InceptionV3 at --image-size 32"):
+        build_model(ModelConfig(name="InceptionV3", weights="none"), 3, 32)

@@ -1,0 +1,213 @@
+"""Real multi-process jobs: horovodrun (Gloo and MPI) and plain mpirun, 2 ranks on CPU."""
+
+import csv
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import HVD_TRAIN, TINY, cli, kill_group, launch, launcher_command, output_of, read_json, start
+
+pytestmark = pytest.mark.multiprocess
+
+DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
+LAUNCHERS = ["horovodrun-gloo", "horovodrun-mpi", "mpirun"]
+
+
+def train_and_dump(launcher, data, out, dump, *extra, timeout=600):
+    dump.mkdir(parents=True, exist_ok=True)
+    program = [sys.executable, DUMP, dump, "--data", data, "--output", out, *TINY, "--val-split", "0.2", *extra]
+    return launch(launcher, 2, program, timeout=timeout, EXPECTED_SIZE="2")
+
+
+def rank_weights(dump, rank):
+    with np.load(dump / f"weights-rank{rank}.npz") as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+@pytest.fixture(scope="module")
+def gloo_run(demo_small, tmp_path_factory):
+    root = tmp_path_factory.mktemp("gloo")
+    proc = train_and_dump("horovodrun-gloo", demo_small, root / "run", root / "dump", "--epochs", "2")
+    assert proc.returncode == 0, output_of(proc)
+    return root / "run", root / "dump", proc
+
+
+def check_identical_and_exact(out, dump, proc):
+    w0, w1 = rank_weights(dump, 0), rank_weights(dump, 1)
+    assert len(w0) == len(w1) > 100
+    assert all(np.array_equal(a, b) for a, b in zip(w0, w1)), "ranks ended with different weights"
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 2 and summary["global_batch"] == 16
+    # 23 images x 5 classes, 20% held out per class: 25 images, not a multiple of 16.
+    assert summary["val_images"] == 25
+    assert summary["weights_identical_across_ranks"] is True
+    both = proc.stdout + proc.stderr
+    assert both.count("held-out accuracy") == 1, "only rank 0 reports"
+    assert re.search(r"rank 0/2 dumped \d+ arrays", both) and re.search(r"rank 1/2 dumped \d+ arrays", both)
+
+
+def test_horovodrun_gloo(gloo_run):
+    check_identical_and_exact(*gloo_run)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])
+def test_mpi_launchers(launcher, demo_small, tmp_path):
+    proc = train_and_dump(launcher, demo_small, tmp_path / "run", tmp_path / "dump", "--epochs", "2")
+    assert proc.returncode == 0, output_of(proc)
+    check_identical_and_exact(tmp_path / "run", tmp_path / "dump", proc)
+
+
+def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):
+    out = gloo_run[0]
+    two = launch(
+        "horovodrun-gloo",
+        2,
+        [
+            *HVD_TRAIN,
+            "evaluate",
+            "--model-dir",
+            out,
+            "--data",
+            demo_small,
+            "--batch-size",
+            "4",
+            "--report",
+            tmp_path / "two.json",
+        ],
+    )
+    assert two.returncode == 0, output_of(two)
+    one = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--report", tmp_path / "one.json"])
+    assert one.returncode == 0, output_of(one)
+    two_ranks, one_rank = read_json(tmp_path / "two.json"), read_json(tmp_path / "one.json")
+    assert two_ranks["images"] == one_rank["images"] == 115  # 115 = 2 * 14 batches of 4 + 3
+    assert two_ranks["world_size"] == 2
+    assert abs(two_ranks["accuracy"] - one_rank["accuracy"]) <= 1 / 115
+    assert np.abs(np.array(two_ranks["confusion_matrix"]) - one_rank["confusion_matrix"]).sum() <= 2
+
+
+def test_predict_under_horovodrun_keeps_input_order(gloo_run, demo_small, tmp_path):
+    out = gloo_run[0]
+    target = tmp_path / "pred.csv"
+    proc = launch(
+        "horovodrun-gloo",
+        2,
+        [
+            *HVD_TRAIN,
+            "predict",
+            "--model-dir",
+            out,
+            demo_small / "stripes_vertical",
+            demo_small / "dots",
+            "--output",
+            target,
+        ],
+    )
+    assert proc.returncode == 0, output_of(proc)
+    with open(target) as f:
+        paths = [row["path"] for row in csv.DictReader(f)]
+    expected = sorted(str(p) for p in (demo_small / "stripes_vertical").rglob("*.*"))
+    expected += sorted(str(p) for p in (demo_small / "dots").rglob("*.*"))
+    assert paths == expected
+
+
+def metrics(out):
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_resume_continues_at_the_right_epoch_and_learning_rate(demo_small, tmp_path):
+    # Warmup over all 3 epochs: the rate differs at every step, so a resumed
+    # optimizer that lost its iteration count would show a different rate.
+    common = [*TINY, "--data", demo_small, "--lr-schedule", "constant", "--warmup-epochs", "3"]
+
+    def train(out, epochs):
+        proc = launch("horovodrun-gloo", 2, [*HVD_TRAIN, "train", *common, "--output", out, "--epochs", epochs])
+        assert proc.returncode == 0, output_of(proc)
+        return proc
+
+    straight = tmp_path / "straight"
+    train(straight, 3)
+    resumed = tmp_path / "resumed"
+    train(resumed, 2)
+    second = train(resumed, 3)
+    assert "resuming from" in second.stderr and "2 epoch(s) done" in second.stderr
+    assert "Epoch 3/3" in second.stdout and "Epoch 1/3" not in second.stdout
+    rows_straight, rows_resumed = metrics(straight), metrics(resumed)
+    assert [r["epoch"] for r in rows_resumed] == ["1", "2", "3"]
+    lrs_straight = [float(r["lr"]) for r in rows_straight]
+    lrs_resumed = [float(r["lr"]) for r in rows_resumed]
+    assert lrs_straight[0] < lrs_straight[1] < lrs_straight[2]
+    assert lrs_resumed == pytest.approx(lrs_straight, rel=1e-5)
+    assert read_json(resumed / "summary.json")["weights_identical_across_ranks"] is True
+    third = train(resumed, 3)
+    assert "all 3 epochs are done already" in third.stderr
+    assert [r["epoch"] for r in metrics(resumed)] == ["1", "2", "3"]
+
+
+def test_demo_reaches_its_accuracy(tmp_path):
+    proc = launch_demo(tmp_path)
+    assert proc.returncode == 0, output_of(proc)
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["val_accuracy"] >= 0.9 and summary["world_size"] == 2
+    assert summary["val_images"] == 200  # 5 classes x 200 images, 20% held out
+    assert re.search(r"demo: held-out accuracy 0\.9\d+|demo: held-out accuracy 1\.0+", proc.stdout)
+
+
+def launch_demo(tmp_path):
+    from conftest import run
+
+    return run([*HVD_TRAIN, "demo", "--data", tmp_path / "data", "--output", tmp_path / "run"], timeout=900)
+
+
+def test_bad_image_with_fail_policy_ends_every_rank(tmp_path, demo_small):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    whole = next((data / "dots").rglob("*.png"))
+    (data / "dots" / "truncated.png").write_bytes(whole.read_bytes()[:100])
+    proc = launch(
+        "horovodrun-gloo",
+        2,
+        [*HVD_TRAIN, "train", "--data", data, "--output", tmp_path / "o", *TINY, "--on-bad-image", "fail"],
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "ERROR error:" in line]
+    assert len(errors) == 1 and "truncated.png" in errors[0], output_of(proc)
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_image_deleted_during_training_ends_the_job(launcher, demo_small, tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    out = tmp_path / "o"
+    program = [*HVD_TRAIN, "train", "--data", data, "--output", out, *TINY, "--epochs", "50", "--val-split", "0"]
+    proc = start([*launcher_command(launcher, 2), *program])
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "epoch-0001").exists():
+            assert proc.poll() is None, output_of_popen(proc)
+            assert time.time() < deadline, "no checkpoint after 300 s"
+            time.sleep(0.5)
+        for victim in list((data / "square").rglob("*.*"))[:1] + list((data / "dots").rglob("*.*"))[:1]:
+            victim.unlink()
+        stdout, stderr = proc.communicate(timeout=180)
+    except BaseException:
+        kill_group(proc)
+        raise
+    assert proc.returncode != 0
+    assert "could not read its input during training" in stderr + stdout, stderr[-5000:]
+    assert not (out / "checkpoints" / "epoch-0050").exists()
+
+
+def output_of_popen(proc):
+    kill_group(proc)
+    stdout, stderr = proc.communicate()
+    return f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"

@@ -1,0 +1,101 @@
+import collections
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hvd_train import compat  # noqa: F401
+from hvd_train.data.pipeline import eval_dataset, train_dataset
+
+N = 23  # not a multiple of any batch used here
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipe")
+    paths = []
+    for i in range(N):
+        # Left half dark, right half bright: a flip is visible in the pixels.
+        pixels = np.zeros((12, 16, 3), np.uint8)
+        pixels[:, 8:] = 200 + i
+        path = root / f"{i:02d}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def labels_of(ds):
+    return [int(x) for _, labels in ds.as_numpy_iterator() for x in labels]
+
+
+def shard(files, rank, size, epochs=2, batch=4, augment="none", seed=1, steps=None, initial_epoch=0):
+    steps = steps or -(-N // (batch * size))
+    return train_dataset(
+        files,
+        list(range(N)),
+        rank=rank,
+        size=size,
+        batch_size=batch,
+        image_size=8,
+        augment=augment,
+        preprocess=lambda x: x,
+        seed=seed,
+        initial_epoch=initial_epoch,
+        epochs=epochs,
+        steps=steps,
+    )
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_rank_same_steps_and_every_image_each_epoch(files, size):
+    batch, epochs = 4, 2
+    steps = -(-N // (batch * size))
+    per_rank = [labels_of(shard(files, r, size, epochs, batch).dataset) for r in range(size)]
+    for seen in per_rank:
+        assert len(seen) == epochs * steps * batch  # identical step counts: no Horovod hang
+    for epoch in range(epochs):
+        window = slice(epoch * steps * batch, (epoch + 1) * steps * batch)
+        union = collections.Counter(i for seen in per_rank for i in seen[window])
+        assert set(union) == set(range(N))  # every image at least once per epoch
+        padded = steps * batch * size
+        assert sum(union.values()) == padded and max(union.values()) <= -(-padded // N)
+
+
+def test_order_changes_per_epoch_and_is_reproducible(files):
+    first = labels_of(shard(files, 0, 1, epochs=2, batch=N).dataset)
+    assert sorted(first[:N]) == sorted(first[N:]) and first[:N] != first[N:]
+    assert labels_of(shard(files, 0, 1, epochs=2, batch=N).dataset) == first
+    # A resumed run (initial_epoch=1) sees epoch 1 exactly as an uninterrupted one.
+    resumed = labels_of(shard(files, 0, 1, epochs=2, batch=N, initial_epoch=1).dataset)
+    assert resumed == first[N:]
+
+
+def test_flip_augmentation_flips_some_images_and_none_flips_none(files):
+    def bright_side(augment):
+        counts = collections.Counter()
+        for images, _ in shard(files, 0, 1, epochs=1, batch=N, augment=augment).dataset:
+            for image in images.numpy():
+                counts["right" if image[:, -1].mean() > image[:, 0].mean() else "left"] += 1
+        return counts
+
+    assert bright_side("none") == {"right": N}
+    flipped = bright_side("flip")
+    assert flipped["left"] > 0 and flipped["right"] > 0
+
+
+def test_evaluation_counts_each_image_once(files):
+    for size in (1, 2, 3, 5):
+        seen = []
+        for rank in range(size):
+            ds = eval_dataset(
+                files,
+                list(range(N)),
+                rank=rank,
+                size=size,
+                batch_size=4,
+                image_size=8,
+                crop_fraction=0.875,
+                preprocess=lambda x: x,
+            )
+            seen += labels_of(ds)
+        assert sorted(seen) == list(range(N)), size
