@@ -14,7 +14,7 @@ demo: install
 	$(BIN)/hvd-train demo
 
 test: install
-	$(BIN)/ruff check hvd_train tests
+	$(BIN)/ruff check hvd_train tests benchmarks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests only: no horovodrun / mpirun jobs.
@@ -22,8 +22,8 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not multiprocess" $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check hvd_train tests
-	$(BIN)/ruff format --check hvd_train tests
+	$(BIN)/ruff check hvd_train tests benchmarks
+	$(BIN)/ruff format --check hvd_train tests benchmarks
 
 clean:
 	rm -rf demo .pytest_cache build *.egg-info

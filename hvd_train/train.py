@@ -161,8 +161,19 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             return 0
         path, state = found
         checkpoints.restore(path, model, optimizer)
-        log.info("resuming from %s: %d epoch(s) done", path, state["epoch"])
-        return int(state["epoch"])
+        epoch = int(state["epoch"])
+        # The schedule reads the step counter: count the steps of the finished
+        # epochs as this job takes them, which differs when the number of
+        # workers or the batch changed since the checkpoint.
+        optimizer.iterations.assign(epoch * plan.steps_per_epoch)
+        log.info("resuming from %s: %d epoch(s) done", path, epoch)
+        if state.get("global_batch") != plan.global_batch:
+            log.warning(
+                "the global batch was %s and is %d now; the learning rate follows the new one",
+                state.get("global_batch"),
+                plan.global_batch,
+            )
+        return epoch
 
     initial_epoch = ctx.on_root(restore, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.

@@ -58,7 +58,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
   log "venv: creating $venv"
   "$python" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+pip_quiet() { # pip, without the notes of machines whose pip config lists missing indexes
+  "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location '.*' is ignored" >&2)
+}
+pip=(pip_quiet)
 pyver=$("$venv/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 
 installed() { # name version -> 0 when that exact version is installed in the venv
@@ -121,6 +124,17 @@ log "pip: installing hvd_train[$extras] (editable)"
 "${pip[@]}" install -q -e "$here[$extras]"
 
 # --- 7. check ---------------------------------------------------------------
-export TF_USE_LEGACY_KERAS=1
-"$venv/bin/horovodrun" --check-build | sed 's/^/[install] /'
+export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=3
+if ! report=$("$venv/bin/horovodrun" --check-build 2>&1); then
+  printf '%s\n' "$report" >&2
+  log "horovodrun --check-build failed"
+  exit 1
+fi
+printf '%s\n' "$report" | grep -E '^(Horovod v|    \[)' | sed 's/^/[install] /'
+for needed in TensorFlow MPI Gloo; do
+  if ! printf '%s\n' "$report" | grep -q "\[X\] $needed"; then
+    log "Horovod was built without $needed; remove $wheel_dir and run again"
+    exit 1
+  fi
+done
 log "done in $(( $(date +%s) - start ))s; activate with: source $venv/bin/activate"

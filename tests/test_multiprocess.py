@@ -36,13 +36,13 @@ def gloo_run(demo_small, tmp_path_factory):
     return root / "run", root / "dump", proc
 
 
-def check_identical_and_exact(out, dump, proc):
+def check_identical_and_exact(out, dump, proc, global_batch=16):
     w0, w1 = rank_weights(dump, 0), rank_weights(dump, 1)
     assert len(w0) == len(w1) > 100
     assert all(np.array_equal(a, b) for a, b in zip(w0, w1)), "ranks ended with different weights"
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == 2 and summary["global_batch"] == 16
-    # 23 images x 5 classes, 20% held out per class: 25 images, not a multiple of 16.
+    assert summary["world_size"] == 2 and summary["global_batch"] == global_batch
+    # 23 images x 5 classes, 20% held out per class: 25 images, not a multiple of the global batch.
     assert summary["val_images"] == 25
     assert summary["weights_identical_across_ranks"] is True
     both = proc.stdout + proc.stderr
@@ -54,11 +54,17 @@ def test_horovodrun_gloo(gloo_run):
     check_identical_and_exact(*gloo_run)
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun-mpi", "mpirun"])
-def test_mpi_launchers(launcher, demo_small, tmp_path):
-    proc = train_and_dump(launcher, demo_small, tmp_path / "run", tmp_path / "dump", "--epochs", "2")
+@pytest.mark.parametrize(
+    "launcher, extra, global_batch",
+    [
+        ("horovodrun-mpi", ["--fp16-allreduce"], 16),
+        ("mpirun", ["--grad-accum", "2", "--head-lr-mult", "10"], 32),
+    ],
+)
+def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
+    proc = train_and_dump(launcher, demo_small, tmp_path / "run", tmp_path / "dump", "--epochs", "2", *extra)
     assert proc.returncode == 0, output_of(proc)
-    check_identical_and_exact(tmp_path / "run", tmp_path / "dump", proc)
+    check_identical_and_exact(tmp_path / "run", tmp_path / "dump", proc, global_batch)
 
 
 def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):

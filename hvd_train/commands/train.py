@@ -23,12 +23,17 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     # Validated before Horovod starts and before any rank reads data: every
     # rank rejects a bad option the same way, and none waits for another.
-    cfg = config.from_sources(args)
-
-    from hvd_train import distributed, log, train
+    from hvd_train.errors import UserError
     from hvd_train.models import get_spec
 
-    get_spec(cfg.model.name)
+    try:
+        cfg = config.from_sources(args)
+        get_spec(cfg.model.name)
+    except UserError as e:
+        # Every rank parsed the same flags and failed the same way: rank 0 says so.
+        raise UserError(str(e), agreed=True) from None
+
+    from hvd_train import distributed, log, train
 
     ctx = distributed.init(cfg.horovod.threads_per_rank)
     if cfg.run.log_all_ranks:

@@ -172,7 +172,7 @@ def _center_crop(image: tf.Tensor, image_size: int, fraction: float) -> tf.Tenso
 
 
 def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
-    image = tf.image.resize(image, [image_size, image_size], antialias=True)
+    image = tf.image.resize(image, [image_size, image_size])  # bilinear, as Keras preprocessing
     image.set_shape([image_size, image_size, 3])
     return image  # float32 in [0, 255], what keras.applications preprocess_input expects
 
