@@ -146,3 +146,20 @@ def test_evaluate_needs_a_finished_run(tmp_path):
 def test_models_lists_names():
     proc = cli(["models"])
     assert proc.returncode == 0 and "ResNet50 " in proc.stdout and "EfficientNetB0" in proc.stdout
+
+
+def test_predict_skips_unreadable_files(trained_run, demo_small, tmp_path):
+    out, _ = trained_run
+    good = next((demo_small / "dots").rglob("*.png"))
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"")
+    proc = cli(["predict", "--model-dir", out, good, broken])
+    assert proc.returncode == 0, output_of(proc)
+    assert [line.split(",")[0] for line in proc.stdout.splitlines()] == ["path", str(good)]
+    assert "broken.png: empty file" in proc.stderr
+
+
+def test_batch_size_must_be_positive(trained_run, demo_small):
+    out, _ = trained_run
+    proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--batch-size", "0"])
+    assert proc.returncode == 2 and "must be a whole number >= 1. Received: '0'" in proc.stderr

@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from hvd_train.commands._common import add_trained_model_arguments
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -14,11 +16,9 @@ def add_parser(subparsers) -> None:
         description="Score every image of DIR/<class>/... once (across all ranks under horovodrun) "
         "with the model of a finished run. Prints the results and writes them as JSON.",
     )
-    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    add_trained_model_arguments(parser)
     parser.add_argument("--data", required=True, help="labelled image folder, classes as in training")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per worker per batch")
     parser.add_argument("--report", help="JSON file to write (default: MODEL_DIR/evaluation.json)")
-    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
     parser.set_defaults(run=run)
 
 
@@ -30,10 +30,6 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
 
-    if args.batch_size < 1:
-        from hvd_train.errors import UserError
-
-        raise UserError(f"`--batch-size` must be >= 1. Received: batch_size={args.batch_size}.")
     ctx = distributed.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx)

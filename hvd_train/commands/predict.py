@@ -7,6 +7,8 @@ import csv
 import os
 import sys
 
+from hvd_train.commands._common import add_trained_model_arguments
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -15,11 +17,9 @@ def add_parser(subparsers) -> None:
         description="Predict the class of each image given (files, or folders searched recursively). "
         "Under horovodrun the images are split among ranks; rank 0 writes the CSV in input order.",
     )
-    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    add_trained_model_arguments(parser)
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
     parser.add_argument("--output", default="-", help="CSV file to write (default: standard output)")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per worker per batch")
-    parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip")
     parser.set_defaults(run=run)
 
 
@@ -49,26 +49,16 @@ def expand(paths: list[str]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed
-    from hvd_train.data.images import find_bad_images, report_bad_images
+    from hvd_train.data.folder import ImageSet
     from hvd_train.data.pipeline import predict_dataset
-    from hvd_train.errors import UserError
+    from hvd_train.data.sources import checked
     from hvd_train.inference import load_trained
-    from hvd_train.log import get_logger
 
-    if args.batch_size < 1:
-        raise UserError(f"`--batch-size` must be >= 1. Received: batch_size={args.batch_size}.")
     ctx = distributed.init()
     files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
-    mine = files[ctx.rank :: ctx.size]
-    bad_mine = ctx.agree(lambda: find_bad_images(mine), name="predict_check")
-    bad = sorted(b for part in ctx.allgather_object(bad_mine, name="predict_bad") for b in part)
-    try:
-        report_bad_images(bad, args.on_bad_image, "PATH", get_logger() if ctx.is_root else None)
-    except UserError as e:
-        raise UserError(str(e), agreed=True) from None
-    skip = {p for p, _ in bad}
-    mine = [p for p in mine if p not in skip]
+    readable = checked(ImageSet(files, [0] * len(files), ["unlabelled"]), "PATH", args.on_bad_image, ctx)
+    mine = readable.paths[ctx.rank :: ctx.size]
     rows = []
     if mine:
         probs = trained.model.predict(

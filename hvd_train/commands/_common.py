@@ -1,0 +1,24 @@
+"""Arguments shared by the commands that use a trained model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1. Received: {text!r}")
+    return value
+
+
+def add_trained_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model-dir``, ``--batch-size`` and ``--on-bad-image``."""
+    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="images per worker per batch")
+    parser.add_argument(
+        "--on-bad-image", choices=("skip", "fail"), default="skip", help="skip (and list) or fail on unreadable images"
+    )
