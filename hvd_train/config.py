@@ -212,12 +212,7 @@ class TrainConfig:
                 r.output,
                 f"it is inside {flag} {folder}, where its files would be read as a class; choose another folder",
             )
-        _require(
-            m.weights in ("imagenet", "none") or os.path.isfile(m.weights),
-            "--weights",
-            m.weights,
-            "use imagenet, none, or the path of an existing weights file",
-        )
+        _require(bool(m.weights), "--weights", m.weights, "use imagenet, none, or the path of a weights file")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

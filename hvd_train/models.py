@@ -132,6 +132,10 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
     """
     spec = get_spec(cfg.name)
     weights = cfg.weights if load_weights else "none"
+    # Checked here, not in the configuration: only the rank that loads the
+    # file needs it (on a cluster, other hosts may not have it).
+    if weights not in ("imagenet", "none") and not os.path.isfile(weights):
+        raise UserError(f"weights file {weights} does not exist; check --weights (imagenet, none, or a file path).")
     try:
         backbone = spec.constructor(
             include_top=False,

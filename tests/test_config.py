@@ -39,7 +39,7 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--base-lr", "-1"], "--base-lr"),
         (["--grad-accum", "0"], "--grad-accum"),
         (["--image-size", "16"], "--image-size"),
-        (["--weights", "/no/such/file.h5"], "--weights"),
+        (["--weights", ""], "--weights"),
         (["--optimizer", "adam", "--head-lr-mult", "10"], "--head-lr-mult"),
         (["--freeze-backbone", "--trainable-layers", "3"], "--trainable-layers"),
     ],

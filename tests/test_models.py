@@ -71,6 +71,13 @@ def test_weights_file_made_here_is_loaded(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(loaded, source.get_weights()))
 
 
+def test_missing_weights_file(tmp_path):
+    with pytest.raises(UserError, match="weights file .*nope.h5 does not exist; check --weights"):
+        build_model(ModelConfig(name="MobileNetV2", weights=str(tmp_path / "nope.h5")), 3, 32)
+    # Ranks that receive the weights by broadcast do not need the file.
+    build_model(ModelConfig(name="MobileNetV2", weights=str(tmp_path / "nope.h5")), 3, 32, load_weights=False)
+
+
 def test_weights_file_that_does_not_fit(tmp_path):
     other = keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3))
     path = tmp_path / "resnet.h5"
