@@ -100,7 +100,7 @@ then
   log "horovod $HOROVOD_VERSION already installed"
 else
   if ! compgen -G "$wheel_dir/horovod-*.whl" >/dev/null; then
-    log "horovod: building $HOROVOD_VERSION from source against tensorflow $TF_VERSION ($variant); this takes about 10 minutes"
+    log "horovod: building $HOROVOD_VERSION from source against tensorflow $TF_VERSION ($variant); this takes several minutes"
     mkdir -p "$wheel_dir.tmp"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
