@@ -39,7 +39,7 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
         val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads)
         if len(val) == 0:
             val = None
-    if val is None:
+    if val is None and ctx.is_root:
         log.warning("no held-out images (--val-data not given, --val-split 0): accuracy is not measured")
     return train, val
 
