@@ -18,21 +18,22 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
-import yaml
 
 from hvd_train import checkpoints, distributed
 from hvd_train.callbacks import ExactEvaluation, make_callbacks
 from hvd_train.compat import keras
-from hvd_train.config import TrainConfig, make_plan
+from hvd_train.config import Plan, TrainConfig, make_plan
 from hvd_train.data.pipeline import eval_dataset, train_dataset
 from hvd_train.data.sources import training_sets
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
+from hvd_train.evaluation import evaluate
 from hvd_train.log import get_logger
 from hvd_train.models import HEAD_LAYER, build_model, get_spec, resolve_bn
 from hvd_train.schedules import WarmupSchedule
@@ -135,22 +136,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     model = Classifier(base.inputs, base.outputs, name=base.name)
     model.head_lr_mult = cfg.optim.head_lr_mult
 
-    schedule = WarmupSchedule(
-        initial_lr=cfg.optim.base_lr,
-        peak_lr=plan.scaled_lr,
-        warmup_steps=plan.warmup_steps,
-        total_steps=plan.total_steps,
-        decay=cfg.optim.lr_schedule,
-        drop_factor=cfg.optim.lr_drop_factor,
-        drop_period_steps=plan.drop_period_steps,
-    )
-    if cfg.optim.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.optim.momentum)
-    else:
-        optimizer = keras.optimizers.Adam(learning_rate=schedule)
-    optimizer = distributed.distributed_optimizer(
-        optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
-    )
+    optimizer, schedule = _make_optimizer(cfg, plan)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
     # Optimizer state must exist before it can be restored and broadcast.
     optimizer.build(model.trainable_variables)
@@ -245,8 +231,6 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
 
     final = evaluation.last if evaluation and evaluation.last is not None else None
     if final is None and val_set:
-        from hvd_train.evaluation import evaluate
-
         final = evaluate(model, make_val(), len(train_set.classes), ctx, name="val.final")
 
     digests = ctx.allgather_object(_weights_digest(model), name="weights_digest")
@@ -270,6 +254,27 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             )
         log.info("outputs in %s", out)
     return Outcome(summary, model)
+
+
+def _make_optimizer(cfg: TrainConfig, plan: Plan):
+    """The Horovod-wrapped optimizer and its learning-rate schedule."""
+    schedule = WarmupSchedule(
+        initial_lr=cfg.optim.base_lr,
+        peak_lr=plan.scaled_lr,
+        warmup_steps=plan.warmup_steps,
+        total_steps=plan.total_steps,
+        decay=cfg.optim.lr_schedule,
+        drop_factor=cfg.optim.lr_drop_factor,
+        drop_period_steps=plan.drop_period_steps,
+    )
+    if cfg.optim.optimizer == "sgd":
+        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.optim.momentum)
+    else:
+        optimizer = keras.optimizers.Adam(learning_rate=schedule)
+    optimizer = distributed.distributed_optimizer(
+        optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
+    )
+    return optimizer, schedule
 
 
 def _prepare_output(cfg: TrainConfig) -> None:
@@ -338,15 +343,4 @@ def _write_json(path: str, obj) -> None:
 
 
 def _interactive() -> bool:
-    import sys
-
     return sys.stdout.isatty()
-
-
-def read_run_config(model_dir: str) -> dict:
-    """The ``run_config.yaml`` of a finished run, for evaluate and predict."""
-    path = os.path.join(model_dir, "run_config.yaml")
-    if not os.path.isfile(path):
-        raise UserError(f"{model_dir} has no run_config.yaml; --model-dir takes the --output of `hvd-train train`.")
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)

@@ -2,6 +2,7 @@
 
 import csv
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import HVD_TRAIN, TINY, cli, kill_group, launch, launcher_command, output_of, read_json, start
+from conftest import HVD_TRAIN, TINY, cli, kill_group, launch, launcher_command, output_of, read_json, run, start
 
 pytestmark = pytest.mark.multiprocess
 
@@ -164,14 +165,10 @@ def test_demo_reaches_its_accuracy(tmp_path):
 
 
 def launch_demo(tmp_path):
-    from conftest import run
-
     return run([*HVD_TRAIN, "demo", "--data", tmp_path / "data", "--output", tmp_path / "run"], timeout=900)
 
 
 def test_bad_image_with_fail_policy_ends_every_rank(tmp_path, demo_small):
-    import shutil
-
     data = tmp_path / "data"
     shutil.copytree(demo_small, data)
     whole = next((data / "dots").rglob("*.png"))
@@ -189,8 +186,6 @@ def test_bad_image_with_fail_policy_ends_every_rank(tmp_path, demo_small):
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
 def test_image_deleted_during_training_ends_the_job(launcher, demo_small, tmp_path):
-    import shutil
-
     data = tmp_path / "data"
     shutil.copytree(demo_small, data)
     out = tmp_path / "o"
