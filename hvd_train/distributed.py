@@ -20,7 +20,7 @@ from hvd_train.errors import UserError
 
 T = TypeVar("T")
 
-# Launchers and the variables they set for every process they start.
+# Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 

@@ -163,3 +163,28 @@ def test_batch_size_must_be_positive(trained_run, demo_small):
     out, _ = trained_run
     proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--batch-size", "0"])
     assert proc.returncode == 2 and "must be a whole number >= 1. Received: '0'" in proc.stderr
+
+
+def test_config_file_with_held_out_folder_and_flag_override(tmp_path):
+    train = write_images(tmp_path / "train", {"a": 6, "b": 5, "c": 5})
+    held_out = write_images(tmp_path / "held_out", {"a": 3, "c": 4}, seed=1)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "data": {"train": str(train), "val": str(held_out), "batch_size": 16},
+                "model": {"name": "MobileNetV2", "weights": "none"},
+                "run": {"output": str(tmp_path / "out"), "epochs": 1},
+            }
+        )
+    )
+    proc = cli(["train", "--config", config, "--batch-size", "4", "--image-size", "32", "--no-tensorboard"])
+    assert proc.returncode == 0, output_of(proc)
+    written = yaml.safe_load((tmp_path / "out" / "run_config.yaml").read_text())
+    assert written["data"]["batch_size"] == 4 and written["data"]["val"] == str(held_out)
+    summary = read_json(tmp_path / "out" / "summary.json")
+    assert summary["val_images"] == 7 and summary["steps_per_epoch"] == 4  # ceil(16 / 4)
+    report = cli(["evaluate", "--model-dir", tmp_path / "out", "--data", held_out, "--report", tmp_path / "e.json"])
+    assert report.returncode == 0, output_of(report)
+    per_class = read_json(tmp_path / "e.json")["per_class_accuracy"]
+    assert per_class["b"] is None and per_class["a"] is not None  # b has no held-out images
