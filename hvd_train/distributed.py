@@ -33,14 +33,12 @@ class Context:
         size: number of processes.
         local_rank: rank on this host; picks the GPU.
         local_size: processes on this host; divides the CPU cores.
-        launched_by_mpi: started by mpirun (directly or through horovodrun --mpi).
     """
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
-    launched_by_mpi: bool = False
 
     @property
     def is_root(self) -> bool:
@@ -152,7 +150,7 @@ def init(threads_per_rank: int = 0) -> Context:
         hvd.init(comm=MPI.COMM_WORLD)
     else:
         hvd.init()
-    ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), launched_by_mpi)
+    ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
