@@ -55,6 +55,39 @@ class Throughput(keras.callbacks.Callback):
         logs["images_per_sec"] = self.images_per_epoch / seconds
 
 
+class InputWait(keras.callbacks.Callback):
+    """Reports how long each epoch waited on S3 objects or shard blocks.
+
+    The reader counts the time its consumer waited for a fetch that had not
+    finished; the training stalled on storage for at most that long. Rank 0
+    logs the slowest rank's wait and adds it to the logs as
+    ``input_wait_seconds``.
+    """
+
+    def __init__(self, reader, ctx: Context):
+        super().__init__()
+        self.reader = reader
+        self.ctx = ctx
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self.reader.stats()["wait_seconds"]
+
+    def on_epoch_end(self, epoch, logs=None):
+        waits = self.ctx.allgather_object(self.reader.stats()["wait_seconds"] - self._start, name=f"wait.{epoch}")
+        worst = max(waits)
+        logs["input_wait_seconds"] = worst
+        seconds = float(logs.get("epoch_seconds") or 0.0)
+        if self.ctx.is_root:
+            log.info(
+                "epoch %d: input waited %.2f s on storage (slowest rank; %.0f%% of the epoch's %.1f s)",
+                epoch + 1,
+                worst,
+                100.0 * worst / seconds if seconds else 0.0,
+                seconds,
+            )
+
+
 class LearningRate(keras.callbacks.Callback):
     """Adds the learning rate of the last step of the epoch to the logs."""
 
@@ -165,11 +198,14 @@ def make_callbacks(
     keep_checkpoints: int,
     tensorboard: bool,
     state: dict,
+    reader=None,
 ) -> list[keras.callbacks.Callback]:
     """The callbacks of one rank, in the order they must run."""
     callbacks: list[keras.callbacks.Callback] = [Throughput(images_per_epoch), LearningRate(schedule)]
     # Horovod: average loss/accuracy/timings over ranks before anyone reads them.
     callbacks.append(metric_average_callback())
+    if reader is not None:
+        callbacks.append(InputWait(reader, ctx))
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
     callbacks.append(AverageModelStatistics(ctx))
     if evaluation is not None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from hvd_train.data.storage import S3Options, redact_url
 from hvd_train.errors import UserError
 
 AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
@@ -37,6 +38,7 @@ BN_MODES = ("auto", "inference", "train")
 LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam")
 BAD_IMAGE_POLICIES = ("skip", "fail")
+S3_RETRY_MODES = ("standard", "adaptive")
 
 
 def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
@@ -57,16 +59,38 @@ class DataConfig:
         augment: training augmentation: ``crop,flip``, ``crop``, ``flip``, ``none``.
         crop_fraction: central fraction kept by the evaluation center crop.
         on_bad_image: ``skip`` unreadable images (and list them) or ``fail``.
+        s3_endpoint: URL of an S3-compatible store; empty: ``AWS_ENDPOINT_URL`` or AWS.
+        s3_concurrency: S3 requests in flight per worker.
+        s3_retry_mode: boto3's ``standard`` or ``adaptive`` retries.
+        s3_max_attempts: attempts per S3 request, the first included.
+
+    ``train`` and ``val`` may be local folders, ``s3://bucket/prefix/``
+    folders, or shard sets made by ``hvd-train pack`` (local or S3).
     """
 
-    train: str = _opt("", "--data", "image folder tree to train on (labels = top-level folder names)")
-    val: str = _opt("", "--val-data", "image folder tree of held-out images")
+    train: str = _opt(
+        "", "--data", "image folder tree or shard set to train on, local or s3:// (labels = folder names)"
+    )
+    val: str = _opt("", "--val-data", "image folder tree or shard set of held-out images, local or s3://")
     val_split: float = _opt(0.1, "--val-split", "fraction of each class held out when --val-data is not given")
     image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
     batch_size: int = _opt(32, "--batch-size", "images per worker per step (the global batch is this x workers)")
     augment: str = _opt("crop,flip", "--augment", "training augmentation", choices=AUGMENTATIONS)
     crop_fraction: float = _opt(0.875, "--crop-fraction", "central fraction kept by the evaluation crop")
     on_bad_image: str = _opt("skip", "--on-bad-image", "what to do with unreadable images", choices=BAD_IMAGE_POLICIES)
+    s3_endpoint: str = _opt("", "--s3-endpoint", "URL of an S3-compatible store (default: AWS_ENDPOINT_URL or AWS)")
+    s3_concurrency: int = _opt(32, "--s3-concurrency", "S3 requests in flight per worker (and pooled connections)")
+    s3_retry_mode: str = _opt("standard", "--s3-retry-mode", "boto3 retry mode", choices=S3_RETRY_MODES)
+    s3_max_attempts: int = _opt(5, "--s3-max-attempts", "attempts per S3 request before giving up")
+
+    def s3_options(self) -> S3Options:
+        """The S3 settings as ``storage.S3Options``."""
+        return S3Options(
+            endpoint=self.s3_endpoint,
+            concurrency=self.s3_concurrency,
+            retry_mode=self.s3_retry_mode,
+            max_attempts=self.s3_max_attempts,
+        )
 
 
 @dataclass(frozen=True)
@@ -179,6 +203,14 @@ class TrainConfig:
         _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
         _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
         _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
+        _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
+        _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")
+        _require(
+            not d.s3_endpoint or d.s3_endpoint.startswith(("http://", "https://")),
+            "--s3-endpoint",
+            redact_url(d.s3_endpoint),
+            "give a URL such as http://127.0.0.1:9000",
+        )
         _require(m.trainable_layers >= 0, "--trainable-layers", m.trainable_layers, "use a number >= 0")
         _require(0.0 <= m.dropout < 1.0, "--dropout", m.dropout, "use a rate in [0, 1)")
         _require(0.0 <= m.bn_momentum < 1.0, "--bn-momentum", m.bn_momentum, "use [0, 1)")
@@ -219,10 +251,15 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The configuration as YAML, with no secret in it (an endpoint's user:password is dropped)."""
+        values = self.to_dict()
+        values["data"]["s3_endpoint"] = redact_url(values["data"]["s3_endpoint"])
+        return yaml.safe_dump(values, sort_keys=False)
 
 
 def _inside(path: str, folder: str) -> bool:
+    if folder.startswith("s3://"):
+        return False
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
 

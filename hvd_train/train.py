@@ -29,7 +29,8 @@ from hvd_train import checkpoints, distributed
 from hvd_train.callbacks import ExactEvaluation, make_callbacks
 from hvd_train.compat import keras
 from hvd_train.config import Plan, TrainConfig, make_plan
-from hvd_train.data.pipeline import eval_dataset, train_dataset
+from hvd_train.data.pipeline import eval_dataset, train_dataset, train_shards
+from hvd_train.data.shards import ShardSet
 from hvd_train.data.sources import training_sets
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
@@ -166,10 +167,11 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     distributed.broadcast_variables(model.variables, ctx)
     distributed.broadcast_variables(optimizer.variables, ctx)
 
+    s3 = cfg.data.s3_options()
+
     def make_val():
         return eval_dataset(
-            val_set.paths,
-            val_set.labels,
+            val_set,
             rank=ctx.rank,
             size=ctx.size,
             batch_size=cfg.data.batch_size,
@@ -177,14 +179,14 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             crop_fraction=cfg.data.crop_fraction,
             preprocess=spec.preprocess_input(),
             threads=threads,
+            s3=s3,
         )
 
     evaluation = ExactEvaluation(make_val, len(train_set.classes), ctx) if val_set else None
     history = None
+    reader = None
     if initial_epoch < cfg.run.epochs:
-        shard = train_dataset(
-            train_set.paths,
-            train_set.labels,
+        options = dict(
             rank=ctx.rank,
             size=ctx.size,
             batch_size=cfg.data.batch_size,
@@ -196,7 +198,13 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             epochs=cfg.run.epochs,
             steps=plan.steps_per_epoch,
             threads=threads,
+            s3=s3,
         )
+        if isinstance(train_set, ShardSet):
+            shard = train_shards(train_set, **options)
+        else:
+            shard = train_dataset(train_set.paths, train_set.labels, **options)
+        reader = shard.reader
         callbacks = make_callbacks(
             ctx=ctx,
             schedule=schedule,
@@ -207,6 +215,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             keep_checkpoints=cfg.run.keep_checkpoints,
             tensorboard=cfg.run.tensorboard,
             state={"world_size": ctx.size, "global_batch": plan.global_batch},
+            reader=reader,
         )
         try:
             history = model.fit(
@@ -218,9 +227,19 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
                 # Horovod: progress output from rank 0 only.
                 verbose=(1 if _interactive() else 2) if ctx.is_root else 0,
             )
-        except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError) as e:
+        except tf.errors.OpError as e:
+            # Only this rank knows: it ends the job (cli.main).
+            if reader is not None and reader.error is not None:
+                # S3 gave up after its retries, or a shard is corrupt.
+                if isinstance(reader.error, UserError):
+                    raise UserError(f"rank {ctx.rank}: {reader.error}") from None
+                raise reader.error from None
+            if not isinstance(
+                e, (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError)
+            ):
+                raise
             # Images were checked at the start; failing now means one changed
-            # during the run. Only this rank knows: it ends the job (cli.main).
+            # during the run.
             reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
             raise UserError(
                 f"rank {ctx.rank} could not read its input during training ({reason}); "
@@ -237,7 +256,8 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     identical = len(set(digests)) == 1
     if not identical:
         log.error("ranks ended with different weights: %s", digests)
-    summary = _summary(cfg, ctx, plan, image_size, final, history, digests, identical)
+    input_stats = ctx.allgather_object(reader.stats() if reader else None, name="input_stats")
+    summary = _summary(cfg, ctx, plan, image_size, final, history, digests, identical, input_stats)
     if ctx.is_root:
         export = keras.Model(model.inputs, model.outputs, name=model.name)
         _save_model_atomically(export, os.path.join(out, "model.keras"))
@@ -291,7 +311,7 @@ def _prepare_output(cfg: TrainConfig) -> None:
         f.write(cfg.to_yaml())
 
 
-def _summary(cfg, ctx, plan, image_size, final, history, digests, identical) -> dict:
+def _summary(cfg, ctx, plan, image_size, final, history, digests, identical, input_stats) -> dict:
     rates = []
     if history is not None:
         rates = [float(r) for r in history.history.get("images_per_sec", [])]
@@ -315,6 +335,12 @@ def _summary(cfg, ctx, plan, image_size, final, history, digests, identical) -> 
         "images_per_sec_first_epoch": rates[0] if rates else None,
         "weights_identical_across_ranks": identical,
         "weights_digest": digests[0],
+        # Per rank: seconds the input pipeline waited for S3 objects or shard
+        # blocks that were not fetched yet (an upper bound on the training
+        # stall they caused), objects fetched, and bytes read.
+        "input_wait_seconds": [round(s["wait_seconds"], 3) if s else None for s in input_stats],
+        "input_objects": [s["objects"] if s else None for s in input_stats],
+        "input_bytes": [s["bytes"] if s else None for s in input_stats],
         **distributed.versions(),
     }
 

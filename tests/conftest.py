@@ -144,3 +144,95 @@ def demo_small(tmp_path_factory) -> Path:
     from hvd_train.demo import make_demo_data
 
     return Path(make_demo_data(str(tmp_path_factory.mktemp("demo") / "data"), per_class=23, size=40))
+
+
+# --- A real S3-compatible server on 127.0.0.1 (moto in server mode: real HTTP) ---
+
+# Credentials of the test server. Distinctive, so a test can search outputs for them.
+S3_KEY_ID = "AKIAHVDTRAINTESTKEY1"
+S3_SECRET = "hvdtrain-secret-9f3c1e7a-never-print-me"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """A moto server process; ``env`` points boto3 (and launched jobs) at it."""
+
+    def __init__(self, tmp: Path, **server_env: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=open(tmp / "moto.log", "w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "MOTO_CALL_RESET_API": "false", **server_env},
+        )
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": S3_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        import time
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"moto server did not start on {self.url}") from None
+                time.sleep(0.2)
+
+    def client(self, **credentials):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id=credentials.get("key_id", S3_KEY_ID),
+            aws_secret_access_key=credentials.get("secret", S3_SECRET),
+        )
+
+    def upload_folder(self, folder: Path, bucket: str, prefix: str = "") -> int:
+        """Copies ``folder`` below ``s3://bucket/prefix``, in parallel; returns the count."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        client = self.client()
+        files = [p for p in sorted(Path(folder).rglob("*")) if p.is_file()]
+
+        def put(path):
+            key = prefix + path.relative_to(folder).as_posix()
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(put, files))
+        return len(files)
+
+    def stop(self) -> None:
+        kill_group(self.proc)
+        self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.stop()

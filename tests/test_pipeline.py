@@ -5,6 +5,7 @@ import pytest
 from PIL import Image
 
 from hvd_train import compat  # noqa: F401
+from hvd_train.data.folder import ImageSet
 from hvd_train.data.pipeline import eval_dataset, train_dataset
 
 N = 23  # not a multiple of any batch used here
@@ -88,8 +89,7 @@ def test_evaluation_counts_each_image_once(files):
         seen = []
         for rank in range(size):
             ds = eval_dataset(
-                files,
-                list(range(N)),
+                ImageSet(files, list(range(N)), [str(i) for i in range(N)]),
                 rank=rank,
                 size=size,
                 batch_size=4,

@@ -13,11 +13,14 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
         help="exact accuracy, top-5, per-class accuracy and confusion matrix",
-        description="Score every image of DIR/<class>/... once (across all ranks under horovodrun) "
+        description="Score every image of DIR/<class>/... (or of a shard set) once (across all ranks under horovodrun) "
         "with the model of a finished run. Prints the results and writes them as JSON.",
     )
     add_trained_model_arguments(parser)
-    parser.add_argument("--data", required=True, help="labelled image folder, classes as in training")
+    parser.add_argument(
+        "--data", required=True, help="labelled image folder or shard set, local or s3://, classes as in training"
+    )
+    parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--report", help="JSON file to write (default: MODEL_DIR/evaluation.json)")
     parser.set_defaults(run=run)
 
@@ -26,22 +29,24 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed
     from hvd_train.data.pipeline import eval_dataset
     from hvd_train.data.sources import evaluation_set
+    from hvd_train.data.storage import S3Options
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
 
     ctx = distributed.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
-    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx)
+    s3 = S3Options(endpoint=args.s3_endpoint)
+    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)
     dataset = eval_dataset(
-        images.paths,
-        images.labels,
+        images,
         rank=ctx.rank,
         size=ctx.size,
         batch_size=args.batch_size,
         image_size=trained.image_size,
         crop_fraction=trained.crop_fraction,
         preprocess=trained.preprocess,
+        s3=s3,
     )
     result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")
     if not ctx.is_root:

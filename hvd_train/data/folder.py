@@ -1,4 +1,4 @@
-"""Labelled image folders: ``ROOT/<class>/.../<image>``.
+"""Labelled image folders: ``ROOT/<class>/.../<image>``, local or ``s3://``.
 
 Classes are the sorted names of the top-level folders; images in nested
 sub-folders belong to their top-level class. Listing happens once (on rank 0)
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -55,23 +56,26 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def list_folder(root: str, flag: str = "--data", classes: list[str] | None = None) -> ImageSet:
-    """Lists a labelled image folder.
+def list_folder(root: str, flag: str = "--data", classes: list[str] | None = None, s3=None) -> ImageSet:
+    """Lists a labelled image folder, on local disk or in S3.
 
     Args:
-        root: the folder whose sub-folders are the classes.
+        root: the folder (or ``s3://bucket/prefix/``) whose sub-folders are the classes.
         flag: the option that named ``root``, for error messages.
         classes: the training classes, when listing held-out data: labels
             then index into these, and an unknown class is an error.
+        s3: ``storage.S3Options`` for an ``s3://`` root.
 
     Returns:
-        The images, sorted by class then path.
+        The images, sorted by class then path. S3 images are ``s3://`` URLs.
 
     Raises:
         UserError: the folder is missing or empty, a class has no images,
             there are fewer than two classes, or (with ``classes``) a
             class is not one of the training classes.
     """
+    if storage.is_s3(root):
+        return _list_s3(root, flag, classes, s3)
     if not os.path.exists(root):
         raise UserError(f"data folder {root} does not exist; check {flag}.")
     if not os.path.isdir(root):
@@ -79,9 +83,37 @@ def list_folder(root: str, flag: str = "--data", classes: list[str] | None = Non
     entries = sorted(e for e in os.listdir(root) if not e.startswith("."))
     found = [e for e in entries if os.path.isdir(os.path.join(root, e))]
     stray = [e for e in entries if e not in found]
+    return _labelled(root, found, stray, lambda name: _walk(os.path.join(root, name)), flag, classes)
+
+
+def _list_s3(root: str, flag: str, classes: list[str] | None, s3) -> ImageSet:
+    """The S3 version of ``list_folder``: class = first key segment below the prefix."""
+    store = storage.S3Store(root, s3 or storage.S3Options())
+    files: dict[str, tuple[list[str], list[str]]] = {}
+    stray = []
+    for rel, _size in store.list(flag):
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue
+        if "/" not in rel:
+            stray.append(rel)
+            continue
+        images, others = files.setdefault(rel.split("/", 1)[0], ([], []))
+        (images if is_image_name(rel) else others).append(store.full(rel))
+    if not files and not stray:
+        raise UserError(f"no objects below {store.url}; check the bucket and prefix in {flag}.")
+    return _labelled(store.url.rstrip("/"), sorted(files), stray, lambda name: files[name], flag, classes)
+
+
+def _labelled(root, found, stray, walk, flag, classes) -> ImageSet:
+    root = root.rstrip("/") or "/"
+    if not found and any(name.startswith("shard-") and name.endswith(".tfrecord") for name in stray):
+        raise UserError(
+            f"{root} holds shards but no manifest.json: the pack was interrupted or is still running; "
+            f"run hvd-train pack again ({flag})."
+        )
     if not found:
         raise UserError(f"data folder {root} has no class folders; put images in {root}/<class>/ ({flag}).")
-    ignored = [os.path.join(root, e) for e in stray]
+    ignored = [f"{root}/{e}" for e in stray]
     if stray:
         log.warning(
             "ignored %d file(s) at the top of %s that are in no class folder, e.g. %s", len(stray), root, stray[0]
@@ -92,18 +124,18 @@ def list_folder(root: str, flag: str = "--data", classes: list[str] | None = Non
         unknown = [c for c in found if c not in classes]
         if unknown:
             raise UserError(
-                f"class folder {os.path.join(root, unknown[0])} ({flag}) is not a training class; "
+                f"class folder {root}/{unknown[0]} ({flag}) is not a training class; "
                 f"training classes are: {', '.join(classes)}. Rename or remove it."
             )
     index = {c: i for i, c in enumerate(classes)}
     paths: list[str] = []
     labels: list[int] = []
     for name in found:
-        images, others = _walk(os.path.join(root, name))
+        images, others = walk(name)
         ignored.extend(others)
         if not images:
             raise UserError(
-                f"class {name!r} ({os.path.join(root, name)}) has no images "
+                f"class {name!r} ({root}/{name}) has no images "
                 f"({', '.join(e.lstrip('.') for e in IMAGE_EXTENSIONS)}); add images or remove the folder."
             )
         paths.extend(images)

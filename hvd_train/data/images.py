@@ -8,8 +8,13 @@ the others wait for it forever.
 
 from __future__ import annotations
 
+import collections
+import threading
+from collections.abc import Iterable, Iterator
+
 import tensorflow as tf
 
+from hvd_train.data import storage
 from hvd_train.errors import UserError
 
 
@@ -24,18 +29,27 @@ def decode(contents: tf.Tensor) -> tf.Tensor:
     return image
 
 
-def find_bad_images(paths: list[str], threads: int = 0) -> list[tuple[str, str]]:
+def find_bad_images(paths: list[str], threads: int = 0, s3=None) -> list[tuple[str, str]]:
     """Decodes every image once and returns the ones that fail, with the reason.
 
     Args:
-        paths: image files to check.
+        paths: image files (or ``s3://`` URLs) to check.
         threads: decoding threads (0: TensorFlow's choice).
+        s3: ``storage.S3Options`` for ``s3://`` URLs.
 
     Returns:
         ``(path, reason)`` for each unreadable image, in input order.
+
+    Raises:
+        UserError: when S3 fails (after retries); naming bucket and key.
     """
     if not paths:
         return []
+    if storage.is_s3(paths[0]):
+        options = s3 or storage.S3Options()
+        fetcher = storage.Fetcher(options.concurrency)
+        stream = fetcher.stream(range(len(paths)), lambda i: storage.read_url(paths[i], options))
+        return [(paths[i], reason) for i, _, reason in sort_out(stream) if reason is not None]
 
     def probe(path):
         image = decode(tf.io.read_file(path))
@@ -57,6 +71,11 @@ def _reason(path: str) -> str:
         contents = tf.io.read_file(path)
     except tf.errors.OpError as e:
         return _first_line(e.message)
+    return reason_for(contents)
+
+
+def reason_for(contents) -> str:
+    """Why these image bytes fail to decode, in a few words."""
     if int(tf.strings.length(contents)) == 0:
         return "empty file (0 bytes)"
     try:
@@ -73,6 +92,59 @@ def _first_line(message: str) -> str:
     # TensorFlow prefixes errors with the op's function node; keep the reason.
     line = line.split("}}", 1)[-1].strip()
     return line.split(" [Op:", 1)[0].strip() or "unreadable"
+
+
+def sort_out(stream: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes, str | None]]:
+    """Decodes images as they stream by, in parallel, keeping their order.
+
+    Args:
+        stream: ``(index, encoded image)`` pairs.
+
+    Yields:
+        ``(index, encoded image, None)`` for an image that decodes, and
+        ``(index, encoded image, reason)`` for one that does not.
+    """
+    pending: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def gen():
+        try:
+            for i, contents in stream:
+                with lock:
+                    pending[i] = contents
+                yield i, contents
+        except BaseException as e:  # reading failed (e.g. S3): not an image problem
+            failed.append(e)
+
+    def probe(i, contents):
+        return i, tf.shape(decode(contents))
+
+    def take(i: int):
+        """Pops ``i`` after the images before it, which failed to decode."""
+        while True:
+            with lock:
+                first, contents = pending.popitem(last=False)
+            if first == i:
+                return contents
+            yield first, contents, reason_for(contents)
+
+    ds = tf.data.Dataset.from_generator(
+        gen, output_signature=(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
+    )
+    # A decode error drops the element; the gap in the indices says which.
+    ds = ds.map(probe, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+    for i, shape in ds.prefetch(16).as_numpy_iterator():
+        if failed:
+            raise failed[0]
+        i = int(i)
+        contents = yield from take(i)
+        yield i, contents, (None if shape[0] > 0 and shape[1] > 0 else "image has no pixels")
+    if failed:
+        raise failed[0]
+    while pending:
+        first, contents = pending.popitem(last=False)
+        yield first, contents, reason_for(contents)
 
 
 def report_bad_images(bad: list[tuple[str, str]], policy: str, flag: str, log=None) -> None:

@@ -1,16 +1,21 @@
 """From ``--data`` / ``--val-data`` to checked lists of images that all ranks share.
 
-Rank 0 lists the folders once and shares the lists; then every rank decodes
-its share of the images once to find unreadable ones, and all ranks agree on
-what is skipped. The result is identical on every rank, which is what makes
-sharding and step counts agree.
+Rank 0 lists the folders (local or S3) or reads the shard set's manifest
+once and shares the result; then every rank decodes its share of a folder's
+images once to find unreadable ones, and all ranks agree on what is skipped
+(``hvd-train pack`` checked the images of a shard set already). The result
+is identical on every rank, which is what makes sharding and step counts
+agree.
 """
 
 from __future__ import annotations
 
 from hvd_train.config import DataConfig
+from hvd_train.data import shards
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import find_bad_images, report_bad_images
+from hvd_train.data.shards import ShardSet
+from hvd_train.data.storage import S3Options
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
@@ -18,25 +23,42 @@ from hvd_train.log import get_logger
 log = get_logger("data")
 
 
-def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[ImageSet, ImageSet | None]:
+Data = ImageSet | ShardSet
+
+
+def open_data(url: str, flag: str, s3: S3Options, classes: list[str] | None = None) -> Data:
+    """The image folder or shard set at ``url`` (local or ``s3://``)."""
+    if shards.is_shard_set(url, s3):
+        return shards.load(url, flag, s3, classes)
+    return list_folder(url, flag, classes=classes, s3=s3)
+
+
+def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[Data, Data | None]:
     """The training images and the held-out images (None when there are none).
 
     Raises:
         UserError: on every rank, for any problem with the data.
     """
+    s3 = cfg.s3_options()
 
     def listing():
-        train = list_folder(cfg.train, "--data")
+        train = open_data(cfg.train, "--data", s3)
         if cfg.val:
-            return train, list_folder(cfg.val, "--val-data", classes=train.classes)
+            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes)
         if cfg.val_split > 0:
+            if isinstance(train, ShardSet):
+                raise UserError(
+                    f"--data {cfg.train} is a packed shard set, which --val-split cannot divide; "
+                    f"pack the held-out images separately (hvd-train pack --val-split) and pass --val-data, "
+                    f"or pass --val-split 0."
+                )
             return split_per_class(train, cfg.val_split, seed)
         return train, None
 
     train, val = ctx.on_root(listing, name="list_data")
-    train = checked(train, "--data", cfg.on_bad_image, ctx, threads)
+    train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3)
     if val is not None:
-        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads)
+        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3)
         if len(val) == 0:
             val = None
     if val is None and ctx.is_root:
@@ -44,20 +66,26 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
     return train, val
 
 
-def evaluation_set(path: str, classes: list[str], flag: str, policy: str, ctx: Context, threads: int = 0) -> ImageSet:
+def evaluation_set(
+    path: str, classes: list[str], flag: str, policy: str, ctx: Context, threads: int = 0, s3: S3Options | None = None
+) -> Data:
     """Held-out images of ``path``, labelled with the trained ``classes``."""
-    images = ctx.on_root(lambda: list_folder(path, flag, classes=classes), name="list_eval")
-    return checked(images, flag, policy, ctx, threads)
+    s3 = s3 or S3Options()
+    images = ctx.on_root(lambda: open_data(path, flag, s3, classes=classes), name="list_eval")
+    return checked(images, flag, policy, ctx, threads, s3)
 
 
-def checked(images: ImageSet, flag: str, policy: str, ctx: Context, threads: int = 0) -> ImageSet:
+def checked(images: Data, flag: str, policy: str, ctx: Context, threads: int = 0, s3: S3Options | None = None) -> Data:
     """``images`` without the ones that cannot be decoded, the same on every rank.
 
     Each rank decodes every ``size``-th image; the lists of failures are
-    gathered so all ranks skip (or fail on) the same images.
+    gathered so all ranks skip (or fail on) the same images. Shard sets were
+    checked when they were packed.
     """
+    if isinstance(images, ShardSet):
+        return images
     mine = images.paths[ctx.rank :: ctx.size]
-    mine_bad = ctx.agree(lambda: find_bad_images(mine, threads), name=f"check{flag}")
+    mine_bad = ctx.agree(lambda: find_bad_images(mine, threads, s3), name=f"check{flag}")
     bad = sorted(item for part in ctx.allgather_object(mine_bad, name=f"bad{flag}") for item in part)
     try:
         report_bad_images(bad, policy, flag, log if ctx.is_root else None)

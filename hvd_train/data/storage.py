@@ -1,0 +1,377 @@
+"""Where data lives: a local folder or an S3 prefix, behind one small interface.
+
+``open_store(url)`` gives a ``Store`` rooted at ``url`` (``/data/x`` or
+``s3://bucket/prefix``) that lists files below it, reads whole files or byte
+ranges, and writes files atomically (a reader never sees half a file).
+
+S3 goes through boto3: one client per process, shared by a bounded pool of
+threads (connections are reused up to ``concurrency``), retries in boto3's
+``standard`` or ``adaptive`` mode, credentials from the standard AWS chain
+(environment, profile, instance role), and ``--s3-endpoint`` or
+``AWS_ENDPOINT_URL`` for S3-compatible stores. When boto3 gives up, the
+error names the bucket and key; no credential is ever put in a message.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from hvd_train.errors import UserError
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def is_s3(url: str) -> bool:
+    return url.startswith("s3://")
+
+
+def join(url: str, rel: str) -> str:
+    """``url`` + ``/`` + ``rel`` for a folder or an S3 prefix."""
+    return f"{url.rstrip('/')}/{rel}" if rel else url
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to talk to S3.
+
+    Attributes:
+        endpoint: URL of an S3-compatible store; empty: ``AWS_ENDPOINT_URL`` or AWS.
+        concurrency: requests in flight per process (and pooled connections).
+        retry_mode: boto3 retry mode, ``standard`` or ``adaptive``.
+        max_attempts: attempts per request, the first included.
+        connect_timeout: seconds to connect before a retry.
+        read_timeout: seconds without data before a retry.
+    """
+
+    endpoint: str = ""
+    concurrency: int = 32
+    retry_mode: str = "standard"
+    max_attempts: int = 5
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+
+
+def redact_url(url: str) -> str:
+    """``url`` without any ``user:password@`` part, for messages and logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+class Store:
+    """Files below one root; paths given to the methods are relative to it."""
+
+    url: str
+
+    def list(self, flag: str) -> list[tuple[str, int]]:
+        """Every file below the root as ``(relative path, size)``, sorted by path."""
+        raise NotImplementedError
+
+    def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The file's bytes, or bytes ``[start, end)`` of it."""
+        raise NotImplementedError
+
+    def write(self, rel: str, data: bytes) -> None:
+        """Writes the file so that it appears whole or not at all."""
+        raise NotImplementedError
+
+    def delete(self, rel: str) -> None:
+        """Removes the file if it exists."""
+        raise NotImplementedError
+
+    def exists(self, rel: str) -> bool:
+        raise NotImplementedError
+
+    def full(self, rel: str) -> str:
+        """The file's path or URL, for messages."""
+        return join(self.url, rel)
+
+
+class LocalStore(Store):
+    def __init__(self, root: str):
+        self.url = root
+        self.root = root
+
+    def list(self, flag: str) -> list[tuple[str, int]]:
+        if not os.path.isdir(self.root):
+            raise UserError(f"folder {self.root} does not exist; check {flag}.")
+        found = []
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for name in filenames:
+                if not name.startswith("."):
+                    path = os.path.join(dirpath, name)
+                    found.append((os.path.relpath(path, self.root).replace(os.sep, "/"), os.path.getsize(path)))
+        return sorted(found)
+
+    def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        with open(os.path.join(self.root, rel), "rb") as f:
+            if start is None:
+                return f.read()
+            f.seek(start)
+            return f.read((end if end is not None else os.path.getsize(f.name)) - start)
+
+    def write(self, rel: str, data: bytes) -> None:
+        path = os.path.join(self.root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def delete(self, rel: str) -> None:
+        try:
+            os.unlink(os.path.join(self.root, rel))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(os.path.join(self.root, rel))
+
+
+class S3Store(Store):
+    """An S3 prefix. Thread-safe: one boto3 client shared by all threads."""
+
+    def __init__(self, url: str, options: S3Options):
+        parts = urllib.parse.urlsplit(url)
+        self.bucket = parts.netloc
+        if not self.bucket:
+            raise UserError(f"{url} names no bucket; write s3://BUCKET/PREFIX/.")
+        self.prefix = parts.path.lstrip("/")
+        if self.prefix and not self.prefix.endswith("/"):
+            self.prefix += "/"
+        self.url = f"s3://{self.bucket}/{self.prefix}"
+        self.options = options
+        self.client = _client(options)
+        self.endpoint = redact_url(self.client.meta.endpoint_url)
+
+    def key(self, rel: str) -> str:
+        return self.prefix + rel
+
+    def list(self, flag: str) -> list[tuple[str, int]]:
+        """Paginated ListObjectsV2: every key below the prefix, however many."""
+        found = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+        try:
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    rel = obj["Key"][len(self.prefix) :]
+                    if rel and not rel.endswith("/"):
+                        found.append((rel, int(obj["Size"])))
+        except Exception as e:
+            raise self._error(e, "list", self.prefix, flag) from None
+        return sorted(found)
+
+    def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
+        return read_url(f"s3://{self.bucket}/{self.key(rel)}", self.options, start, end)
+
+    def write(self, rel: str, data: bytes) -> None:
+        # One PUT (or a multipart upload, completed last) is atomic in S3.
+        import io
+
+        key = self.key(rel)
+        try:
+            self.client.upload_fileobj(io.BytesIO(data), self.bucket, key)
+        except Exception as e:
+            raise self._error(e, "write", key) from None
+
+    def delete(self, rel: str) -> None:
+        key = self.key(rel)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            raise self._error(e, "delete", key) from None
+
+    def exists(self, rel: str) -> bool:
+        key = self.key(rel)
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+            return True
+        except Exception as e:
+            if _code(e) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise self._error(e, "read", key) from None
+
+    def _error(self, e: Exception, action: str, key: str, flag: str = "") -> UserError:
+        return UserError(s3_message(e, action, self.bucket, key, self.endpoint, flag))
+
+
+def _code(e: Exception) -> str:
+    response = getattr(e, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def s3_message(e: Exception, action: str, bucket: str, key: str, endpoint: str, flag: str = "") -> str:
+    """A one-line explanation of a boto3 failure, naming bucket, key and the fix."""
+    from botocore import exceptions as bx
+
+    where = f"s3://{bucket}/{key}"
+    via = f" (endpoint {endpoint})"
+    code = _code(e)
+    if isinstance(e, bx.NoCredentialsError):
+        return (
+            f"no AWS credentials found to {action} {where}; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            f"AWS_PROFILE, or run on a machine with an instance role (and forward AWS_* to every worker)."
+        )
+    if isinstance(e, bx.EndpointConnectionError | bx.ConnectTimeoutError | bx.ReadTimeoutError):
+        return (
+            f"cannot reach S3 to {action} {where}{via} after retries: {type(e).__name__}; "
+            f"check --s3-endpoint / AWS_ENDPOINT_URL and the network."
+        )
+    if isinstance(e, bx.ConnectionClosedError | bx.HTTPClientError):
+        return f"lost the connection to S3 while trying to {action} {where}{via} after retries; check the store."
+    if code in ("NoSuchBucket",):
+        return f"bucket {bucket!r} does not exist{via}; check the bucket name{' in ' + flag if flag else ''}."
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return f"{where} does not exist{via}; was it deleted during the run?"
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "AuthFailure"):
+        return (
+            f"S3 rejected the credentials ({code}) to {action} {where}{via}; "
+            f"check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE."
+        )
+    if code in ("AccessDenied", "403", "AllAccessDisabled"):
+        return f"access denied to {action} {where}{via}; the credentials lack permission for this bucket."
+    if code:
+        return f"S3 error {code} when trying to {action} {where}{via}: {_first_line(e)}"
+    return f"cannot {action} {where}{via}: {type(e).__name__}: {_first_line(e)}"
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+_clients: dict[tuple, object] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(options: S3Options):
+    """One boto3 client per process and options: clients are thread-safe and pool connections."""
+    # The AWS_* environment is part of the key: it holds the credential chain's first link.
+    key = (options, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    with _clients_lock:
+        if key not in _clients:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                retries={"mode": options.retry_mode, "max_attempts": options.max_attempts},
+                max_pool_connections=max(10, options.concurrency),
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.read_timeout,
+            )
+            # boto3 takes AWS_ENDPOINT_URL itself when no endpoint is given.
+            _clients[key] = boto3.session.Session().client("s3", endpoint_url=options.endpoint or None, config=config)
+        return _clients[key]
+
+
+def read_url(url: str, options: S3Options, start: int | None = None, end: int | None = None) -> bytes:
+    """The bytes of one ``s3://bucket/key`` object (or of ``[start, end)`` of it)."""
+    bucket, _, key = url[len("s3://") :].partition("/")
+    client = _client(options)
+    extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+    try:
+        body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
+        try:
+            return body.read()
+        finally:
+            body.close()
+    except Exception as e:
+        endpoint = redact_url(client.meta.endpoint_url)
+        raise UserError(s3_message(e, "read", bucket, key, endpoint)) from None
+
+
+def open_store(url: str, s3: S3Options | None = None) -> Store:
+    if is_s3(url):
+        return S3Store(url, s3 or S3Options())
+    return LocalStore(url)
+
+
+class Fetcher:
+    """Runs a blocking fetch over many items with bounded concurrency, in order.
+
+    ``stream`` keeps ``window`` fetches in flight on a pool of ``concurrency``
+    threads and yields results in input order. The time the consumer spent
+    waiting for a result that was not ready yet is added to ``wait_seconds``:
+    the input pipeline stalled on storage for at most that long.
+    """
+
+    def __init__(self, concurrency: int):
+        self.concurrency = max(1, concurrency)
+        self.wait_seconds = 0.0
+        self.fetched = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hvd-train-fetch")
+        return self._pool
+
+    def stream(self, items: Iterable[T], fetch: Callable[[T], R], window: int = 0) -> Iterator[tuple[T, R]]:
+        window = window or 4 * self.concurrency
+        pool = self._executor()
+        pending: collections.deque[tuple[T, Future]] = collections.deque()
+        it = iter(items)
+        try:
+            for item in it:
+                pending.append((item, pool.submit(fetch, item)))
+                if len(pending) >= window:
+                    break
+            while pending:
+                item, future = pending.popleft()
+                if not future.done():
+                    t0 = time.perf_counter()
+                    result = future.result()
+                    waited = time.perf_counter() - t0
+                else:
+                    result, waited = future.result(), 0.0
+                with self._lock:
+                    self.wait_seconds += waited
+                    self.fetched += 1
+                    self.bytes += _size(result)
+                nxt = next(it, _END)
+                if nxt is not _END:
+                    pending.append((nxt, pool.submit(fetch, nxt)))
+                yield item, result
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"wait_seconds": self.wait_seconds, "objects": self.fetched, "bytes": self.bytes}
+
+
+_END = object()
+
+
+def _size(result) -> int:
+    """Bytes in a fetch result: one object's bytes, or a list of records."""
+    if isinstance(result, bytes | bytearray):
+        return len(result)
+    if isinstance(result, list):
+        return sum(len(r) for r in result)
+    return 0

@@ -1,0 +1,226 @@
+"""Packed shard sets on local disk: format, pack, equal steps per rank, exact evaluation, damage."""
+
+import collections
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hvd_train import compat  # noqa: F401
+from hvd_train.data import shards
+from hvd_train.data.pipeline import eval_dataset, train_shards
+from hvd_train.data.storage import S3Options
+from hvd_train.errors import UserError
+
+from conftest import HVD_TRAIN, output_of, run, start
+
+N = 47  # images; not a multiple of any batch or rank count used here
+
+
+def solid(path, value):
+    Image.fromarray(np.full((8, 8, 3), value, np.uint8)).save(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """``N`` solid images whose pixel value is ``2 * index``: the pixels tell which image a record is."""
+    root = tmp_path_factory.mktemp("src")
+    for i in range(N):
+        cls = root / f"class{i % 3}" / ("nested" if i % 2 else "")
+        cls.mkdir(parents=True, exist_ok=True)
+        solid(cls / f"img-{i:03d}.png", 2 * i)
+    return root
+
+
+def pack(src, dst, **kw):
+    options = dict(shard_size=600, on_bad_image="skip", seed=3, s3=S3Options())
+    options.update(kw)
+    return shards.pack(str(src), str(dst), **options)
+
+
+@pytest.fixture(scope="module")
+def packed(folder, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("packed")
+    pack(folder, dst)
+    return dst
+
+
+def ids_of(ds):
+    """Image indices (recovered from the pixels) and labels of a dataset of batches."""
+    ids, labels = [], []
+    for images, batch_labels in ds.as_numpy_iterator():
+        ids += [int(round(float(img.mean()) / 2)) for img in images]
+        labels += batch_labels.tolist()
+    return ids, labels
+
+
+def test_shards_are_standard_tfrecords_with_every_image(folder, packed):
+    import tensorflow as tf
+
+    manifest = json.loads((packed / "manifest.json").read_text())
+    assert manifest["images"] == N and manifest["classes"] == ["class0", "class1", "class2"]
+    assert manifest["class_counts"] == [16, 16, 15]
+    assert len(manifest["shards"]) > 3, "a small --shard-size gives many shards"
+    seen = {}
+    for shard in manifest["shards"]:
+        data = (packed / shard["file"]).read_bytes()
+        assert len(data) == shard["bytes"] and shard["offsets"][0] == 0
+        # TensorFlow's own reader checks every record's CRC.
+        records = list(tf.data.TFRecordDataset(str(packed / shard["file"])).as_numpy_iterator())
+        assert len(records) == shard["images"]
+        for record in records:
+            ex = tf.train.Example.FromString(record).features.feature
+            name = ex["image/filename"].bytes_list.value[0].decode()
+            assert ex["image/encoded"].bytes_list.value[0] == (folder / name).read_bytes()
+            seen[name] = ex["image/class/label"].int64_list.value[0]
+    assert len(seen) == N
+    assert all(seen[name] == int(name.split("/")[0][-1]) for name in seen)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_every_rank_runs_the_same_steps_and_sees_every_image(packed, size):
+    shard_set = shards.load(str(packed), "--data")
+    batch, epochs = 4, 2
+    steps = -(-N // (batch * size))
+    per_rank = []
+    for rank in range(size):
+        shard = train_shards(
+            shard_set,
+            rank=rank,
+            size=size,
+            batch_size=batch,
+            image_size=8,
+            augment="none",
+            preprocess=lambda x: x,
+            seed=1,
+            initial_epoch=0,
+            epochs=epochs,
+            steps=steps,
+            shuffle_buffer=0,
+        )
+        per_rank.append(ids_of(shard.dataset))
+    for ids, labels in per_rank:
+        assert len(ids) == epochs * steps * batch  # equal steps: no Horovod hang
+        assert all(label == i % 3 for i, label in zip(ids, labels))
+    for epoch in range(epochs):
+        window = slice(epoch * steps * batch, (epoch + 1) * steps * batch)
+        union = collections.Counter(i for ids, _ in per_rank for i in ids[window])
+        assert set(union) == set(range(N))
+        assert sum(union.values()) == steps * batch * size
+    first = [ids[: steps * batch] for ids, _ in per_rank]
+    second = [ids[steps * batch :] for ids, _ in per_rank]
+    assert first != second, "the order changes from epoch to epoch"
+
+
+def test_evaluation_counts_each_image_once(packed):
+    shard_set = shards.load(str(packed), "--val-data")
+    for size in (1, 2, 3, 5):
+        ids = []
+        for rank in range(size):
+            ds = eval_dataset(
+                shard_set, rank=rank, size=size, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
+            )
+            ids += ids_of(ds)[0]
+        assert sorted(ids) == list(range(N)), size
+
+
+def test_held_out_labels_map_onto_training_classes(packed):
+    shard_set = shards.load(str(packed), "--val-data", classes=["class2", "class0", "class1", "other"])
+    assert shard_set.label_map == (1, 2, 0) and shard_set.counts() == [15, 16, 16, 0]
+    ds = eval_dataset(shard_set, rank=0, size=1, batch_size=8, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    ids, labels = ids_of(ds)
+    assert all(label == [1, 2, 0][i % 3] for i, label in zip(ids, labels))
+    with pytest.raises(UserError, match="class 'class2' of .* is not a training class"):
+        shards.load(str(packed), "--val-data", classes=["class0", "class1"])
+
+
+def test_bad_images_are_listed_or_fail(folder, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (src / "class1" / "broken.png").write_bytes(b"not an image")
+    (src / "class2" / "empty.jpg").write_bytes(b"")
+    manifest = pack(src, tmp_path / "out")[str(tmp_path / "out")]
+    assert manifest["images"] == N
+    assert {s["path"].rsplit("/", 1)[1] for s in manifest["skipped"]} == {"broken.png", "empty.jpg"}
+    with pytest.raises(UserError, match=r"cannot decode image .*(broken|empty)"):
+        pack(src, tmp_path / "out2", on_bad_image="fail")
+    assert not (tmp_path / "out2" / "manifest.json").exists()
+
+
+def test_val_split_overwrite_and_stale_shards(folder, tmp_path):
+    manifests = pack(folder, tmp_path, val_split=0.25)
+    train, val = manifests[str(tmp_path / "train")], manifests[str(tmp_path / "val")]
+    assert train["images"] + val["images"] == N and val["class_counts"] == [4, 4, 4]
+    with pytest.raises(UserError, match="exists already; pass --overwrite"):
+        pack(folder, tmp_path / "train")
+    before = sorted(p.name for p in (tmp_path / "train").glob("shard-*"))
+    pack(folder, tmp_path / "train", shard_size=1 << 20, overwrite=True)
+    after = sorted(p.name for p in (tmp_path / "train").glob("shard-*"))
+    assert len(before) > 1 and after == ["shard-00000.tfrecord"], "stale shards are removed"
+    assert shards.load(str(tmp_path / "train"), "--data").shards[0].images == N
+
+
+def test_corrupt_shard_is_a_clear_error(packed, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    victim = copy / "shard-00001.tfrecord"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    shard = train_shards(
+        shards.load(str(copy), "--data"),
+        rank=0,
+        size=1,
+        batch_size=4,
+        image_size=8,
+        augment="none",
+        preprocess=lambda x: x,
+        seed=1,
+        initial_epoch=0,
+        epochs=1,
+        steps=12,
+    )
+    import tensorflow as tf
+
+    with pytest.raises(tf.errors.OpError):
+        ids_of(shard.dataset)
+    assert isinstance(shard.reader.error, UserError)
+    assert "shard-00001.tfrecord" in str(shard.reader.error) and "corrupt" in str(shard.reader.error)
+
+
+def test_interrupted_pack_leaves_no_manifest(tmp_path):
+    src = tmp_path / "src"
+    for i in range(400):
+        folder = src / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (48, 48, 3), np.uint8)).save(folder / f"{i}.png")
+    dst = tmp_path / "dst"
+    proc = start([*HVD_TRAIN, "pack", src, dst, "--shard-size", "20KB"])
+    deadline = time.time() + 120
+    while len(list(dst.glob("shard-*.tfrecord"))) < 3:
+        assert proc.poll() is None and time.time() < deadline, output_of(proc)
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (dst / "manifest.json").exists()
+    proc = run([*HVD_TRAIN, "train", "--data", dst, "--output", tmp_path / "o", "--weights", "none"])
+    assert proc.returncode == 2, output_of(proc)
+    assert "no manifest.json" in proc.stderr and "hvd-train pack" in proc.stderr, output_of(proc)
+
+
+def test_size_parsing():
+    assert shards.parse_size("128MB") == 128_000_000
+    assert shards.parse_size("1GiB") == 1 << 30
+    assert shards.parse_size("65536") == 65536
+    for bad in ("lots", "12XB", "10"):
+        with pytest.raises(UserError, match="--shard-size"):
+            shards.parse_size(bad)
+
+
