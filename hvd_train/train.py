@@ -29,7 +29,7 @@ from hvd_train import checkpoints, distributed
 from hvd_train.callbacks import ExactEvaluation, make_callbacks
 from hvd_train.compat import keras
 from hvd_train.config import Plan, TrainConfig, make_plan
-from hvd_train.data.pipeline import eval_dataset, train_dataset, train_shards
+from hvd_train.data.pipeline import eval_dataset, input_failure, train_dataset, train_shards
 from hvd_train.data.shards import ShardSet
 from hvd_train.data.sources import training_sets
 from hvd_train.distributed import Context
@@ -229,11 +229,12 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             )
         except tf.errors.OpError as e:
             # Only this rank knows: it ends the job (cli.main).
-            if reader is not None and reader.error is not None:
+            failure = input_failure()
+            if failure is not None:
                 # S3 gave up after its retries, or a shard is corrupt.
-                if isinstance(reader.error, UserError):
-                    raise UserError(f"rank {ctx.rank}: {reader.error}") from None
-                raise reader.error from None
+                if isinstance(failure, UserError):
+                    raise UserError(f"rank {ctx.rank}: {failure}") from None
+                raise failure from None
             if not isinstance(
                 e, (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError)
             ):

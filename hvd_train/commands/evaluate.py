@@ -27,9 +27,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed
-    from hvd_train.data.pipeline import eval_dataset
+    from hvd_train.data.pipeline import eval_dataset, input_failure
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
+    from hvd_train.errors import UserError
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
@@ -48,7 +49,14 @@ def run(args: argparse.Namespace) -> int:
         preprocess=trained.preprocess,
         s3=s3,
     )
-    result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")
+    try:
+        result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")
+    except Exception:  # tf.data says only that a generator raised; the reader knows why
+        failure = input_failure()
+        if isinstance(failure, UserError):
+            # S3 gave up after its retries, or a shard is corrupt: this rank ends the job.
+            raise UserError(f"rank {ctx.rank}: {failure}") from None
+        raise
     if not ctx.is_root:
         return 0
     per_class = result.per_class_accuracy()

@@ -305,8 +305,11 @@ class StreamReader:
 
     Remembers the first failure of the fetch so the trainer can report it
     (tf.data would only say that a Python generator raised), and counts
-    how long the pipeline waited on storage.
+    how long the pipeline waited on storage. ``failures`` collects the first
+    failure of every reader of the process, evaluation readers included.
     """
+
+    failures: list[BaseException] = []
 
     def __init__(self, s3: storage.S3Options, local: bool = False):
         self.s3 = s3
@@ -330,12 +333,18 @@ class StreamReader:
             except BaseException as e:
                 if self.error is None:
                     self.error = e
+                    StreamReader.failures.append(e)
                 raise
 
         return tf.data.Dataset.from_generator(guarded, output_signature=signature)
 
     def stats(self) -> dict:
         return self.fetcher.stats()
+
+
+def input_failure() -> BaseException | None:
+    """The first failure of any S3 or shard reader of this process, if any."""
+    return StreamReader.failures[0] if StreamReader.failures else None
 
 
 def eval_dataset(
