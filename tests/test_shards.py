@@ -222,5 +222,3 @@ def test_size_parsing():
     for bad in ("lots", "12XB", "10"):
         with pytest.raises(UserError, match="--shard-size"):
             shards.parse_size(bad)
-
-

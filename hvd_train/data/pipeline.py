@@ -87,7 +87,7 @@ def train_dataset(
     padded = steps * batch_size * size
     paths_t = tf.constant(paths)
     labels_t = tf.constant(labels, dtype=tf.int32)
-    augmenter = _augmenter(augment, image_size, seed, n)
+    augmenter = _augmenter(augment, image_size, seed)
 
     def epoch_order(epoch):
         perm = tf.random.experimental.stateless_shuffle(
@@ -163,7 +163,7 @@ def train_shards(
     per_rank = steps * batch_size
     reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(shard_set.url))
     label_map = tf.constant(shard_set.label_map, dtype=tf.int32)
-    augmenter = _augmenter(augment, image_size, seed, n)
+    augmenter = _augmenter(augment, image_size, seed)
     starts = shard_set.starts
 
     def blocks(epoch: int) -> list[Block]:
@@ -196,7 +196,7 @@ def train_shards(
     return TrainShard(_with_threads(ds, threads), steps, reader)
 
 
-def _augmenter(augment: str, image_size: int, seed: int, n: int):
+def _augmenter(augment: str, image_size: int, seed: int):
     """``f(image, key index)``: the training augmentation, drawn from ``(seed, key index)``."""
     flips = "flip" in augment
     crops = "crop" in augment

@@ -311,8 +311,9 @@ def open_store(url: str, s3: S3Options | None = None) -> Store:
 class Fetcher:
     """Runs a blocking fetch over many items with bounded concurrency, in order.
 
-    ``stream`` keeps ``window`` fetches in flight on a pool of ``concurrency``
-    threads and yields results in input order. The time the consumer spent
+    ``stream`` keeps up to ``window`` fetches queued on a pool of
+    ``concurrency`` threads (so at most ``concurrency`` requests are in
+    flight) and yields results in input order. The time the consumer spent
     waiting for a result that was not ready yet is added to ``wait_seconds``:
     the input pipeline stalled on storage for at most that long.
     """
@@ -323,16 +324,12 @@ class Fetcher:
         self.fetched = 0
         self.bytes = 0
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hvd-train-fetch")
-        return self._pool
 
     def stream(self, items: Iterable[T], fetch: Callable[[T], R], window: int = 0) -> Iterator[tuple[T, R]]:
         window = window or 4 * self.concurrency
-        pool = self._executor()
+        # A pool per stream, shut down when the stream ends or is abandoned:
+        # evaluation builds a new stream every epoch.
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="hvd-train-fetch")
         pending: collections.deque[tuple[T, Future]] = collections.deque()
         it = iter(items)
         try:
@@ -357,8 +354,7 @@ class Fetcher:
                     pending.append((nxt, pool.submit(fetch, nxt)))
                 yield item, result
         finally:
-            for _, future in pending:
-                future.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
         with self._lock:
