@@ -13,8 +13,13 @@ install:
 demo: install
 	$(BIN)/hvd-train demo
 
+SHELL_SCRIPTS := launch/install.sh launch/_common.sh launch/mpirun.sh launch/horovodrun.sh launch/docker.sh \
+	launch/slurm.sbatch .ci/run tests/launched/netns-agent
+
 test: install
 	$(BIN)/ruff check hvd_train tests benchmarks
+	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
+	$(BIN)/hadolint Dockerfile
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests only: no horovodrun / mpirun jobs.
@@ -24,6 +29,8 @@ test-fast: install
 lint: install
 	$(BIN)/ruff check hvd_train tests benchmarks
 	$(BIN)/ruff format --check hvd_train tests benchmarks
+	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
+	$(BIN)/hadolint Dockerfile
 
 clean:
 	rm -rf demo .pytest_cache build *.egg-info

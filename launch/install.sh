@@ -14,6 +14,7 @@
 #   HVD_TRAIN_EXTRAS   extras of hvd_train to install      (default: test)
 #   HVD_TRAIN_GPU      1 builds Horovod with NCCL           (default: 0)
 #   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
+#   HVD_TRAIN_EDITABLE 0 installs hvd_train as a copy, not editable (default: 1)
 #   PYTHON             interpreter for the venv             (default: python3)
 set -euo pipefail
 
@@ -24,7 +25,7 @@ fi
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${HVD_TRAIN_VENV:-$here/.venv}
-extras=${HVD_TRAIN_EXTRAS:-test}
+extras=${HVD_TRAIN_EXTRAS-test}
 gpu=${HVD_TRAIN_GPU:-0}
 python=${PYTHON:-python3}
 
@@ -38,7 +39,8 @@ log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
 
 # --- 1. system packages -------------------------------------------------------
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make)
+# iproute2: `ip`, for the multi-host test's network namespaces.
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -120,8 +122,15 @@ else
 fi
 
 # --- 6. hvd_train itself ----------------------------------------------------
-log "pip: installing hvd_train[$extras] (editable)"
-"${pip[@]}" install -q -e "$here[$extras]"
+spec=$here
+[[ -n "$extras" ]] && spec="${here}[$extras]"
+if [[ "${HVD_TRAIN_EDITABLE:-1}" == 1 ]]; then
+  log "pip: installing hvd_train${extras:+[$extras]} (editable)"
+  "${pip[@]}" install -q -e "$spec"
+else
+  log "pip: installing hvd_train${extras:+[$extras]}"
+  "${pip[@]}" install -q "$spec"
+fi
 
 # --- 7. check ---------------------------------------------------------------
 export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=3
@@ -131,7 +140,9 @@ if ! report=$("$venv/bin/horovodrun" --check-build 2>&1); then
   exit 1
 fi
 printf '%s\n' "$report" | grep -E '^(Horovod v|    \[)' | sed 's/^/[install] /'
-for needed in TensorFlow MPI Gloo; do
+needed_ops=(TensorFlow MPI Gloo)
+[[ "$gpu" == 1 ]] && needed_ops+=(NCCL)
+for needed in "${needed_ops[@]}"; do
   if ! printf '%s\n' "$report" | grep -q "\[X\] $needed"; then
     log "Horovod was built without $needed; remove $wheel_dir and run again"
     exit 1

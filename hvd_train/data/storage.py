@@ -163,7 +163,7 @@ class S3Store(Store):
             self.prefix += "/"
         self.url = f"s3://{self.bucket}/{self.prefix}"
         self.options = options
-        self.client = _client(options)
+        self.client = client_for(options)
         self.endpoint = redact_url(self.client.meta.endpoint_url)
 
     def key(self, rel: str) -> str:
@@ -266,7 +266,7 @@ _clients: dict[tuple, object] = {}
 _clients_lock = threading.Lock()
 
 
-def _client(options: S3Options):
+def client_for(options: S3Options):
     """One boto3 client per process and options: clients are thread-safe and pool connections."""
     # The AWS_* environment is part of the key: it holds the credential chain's first link.
     key = (options, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
@@ -289,7 +289,7 @@ def _client(options: S3Options):
 def read_url(url: str, options: S3Options, start: int | None = None, end: int | None = None) -> bytes:
     """The bytes of one ``s3://bucket/key`` object (or of ``[start, end)`` of it)."""
     bucket, _, key = url[len("s3://") :].partition("/")
-    client = _client(options)
+    client = client_for(options)
     extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
     try:
         body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]

@@ -1,0 +1,65 @@
+# syntax=docker/dockerfile:1
+# hvd_train image. GPU by default (CUDA 12.5 + cuDNN 9, as TensorFlow 2.18.1
+# was built with; Horovod with NCCL, MPI and Gloo); CPU with
+#   docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
+# Both install through launch/install.sh, the script `make demo` / `make test`
+# use. The runtime stage has no compilers; it runs as the user hvd and its
+# entrypoint is hvd-train (launch/docker.sh runs horovodrun / sshd instead).
+ARG VARIANT=gpu
+ARG CUDA_TAG=12.5.1-cudnn
+
+# --- build stages: compilers, headers, the Horovod build ----------------------
+FROM nvidia/cuda:${CUDA_TAG}-devel-ubuntu22.04 AS build-gpu
+ENV HVD_TRAIN_GPU=1 PYTHON=python3.11 \
+    HOROVOD_CUDA_HOME=/usr/local/cuda HOROVOD_NCCL_LINK=SHARED
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3.11 python3.11-dev python3.11-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM debian:bookworm-slim AS build-cpu
+ENV HVD_TRAIN_GPU=0 PYTHON=python3
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3 python3-dev python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# hadolint ignore=DL3006
+FROM build-${VARIANT} AS build
+ENV HVD_TRAIN_VENV=/opt/hvd_train/venv HVD_TRAIN_EXTRAS="" HVD_TRAIN_EDITABLE=0 \
+    HVD_TRAIN_CACHE=/root/.cache/hvd_train
+WORKDIR /src
+COPY setup.cfg pyproject.toml README.md Makefile ./
+COPY launch/ launch/
+COPY hvd_train/ hvd_train/
+# The pip and Horovod wheel caches live in a BuildKit cache: rebuilds skip the compile.
+RUN --mount=type=cache,target=/root/.cache bash launch/install.sh
+
+# --- runtime stages: Python, Open MPI and sshd, no compilers ------------------
+FROM nvidia/cuda:${CUDA_TAG}-runtime-ubuntu22.04 AS runtime-gpu
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3.11 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+FROM debian:bookworm-slim AS runtime-cpu
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+        python3 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# hadolint ignore=DL3006
+FROM runtime-${VARIANT} AS runtime
+COPY --from=build /opt/hvd_train /opt/hvd_train
+# sshd for multi-node launches (launch/docker.sh worker, the MPI Operator):
+# runs as hvd on port 12345 with a host key made at build time.
+RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
+    && mkdir -p /etc/ssh/hvd /run/sshd \
+    && ssh-keygen -q -t ed25519 -N "" -f /etc/ssh/hvd/ssh_host_ed25519_key \
+    && chown -R hvd:hvd /etc/ssh/hvd \
+    && printf '%s\n' 'Port 12345' 'HostKey /etc/ssh/hvd/ssh_host_ed25519_key' 'PidFile /tmp/sshd.pid' \
+        'UsePAM no' 'PasswordAuthentication no' 'StrictModes no' 'AuthorizedKeysFile .ssh/authorized_keys' \
+        'AcceptEnv AWS_* HOROVOD_* NCCL_* TF_*' > /etc/ssh/sshd_config_hvd
+ENV PATH=/opt/hvd_train/venv/bin:$PATH \
+    TF_USE_LEGACY_KERAS=1 \
+    OMPI_MCA_plm_rsh_args="-p 12345 -o StrictHostKeyChecking=no"
+USER 1000:1000
+WORKDIR /home/hvd
+ENTRYPOINT ["hvd-train"]
+CMD ["--help"]

@@ -1,0 +1,170 @@
+"""``hvd-train doctor``: what a user needs to know before a long run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+REQUIREMENTS = ("gpu", "nccl", "mpi", "gloo")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check the Horovod build, GPUs, network interfaces and S3 before a long run",
+        description="Print the Horovod build (frameworks, controllers, tensor operations), TensorFlow and Keras "
+        "versions, visible GPUs and the local-rank pinning, network interfaces and the one Horovod/NCCL will "
+        "use, and S3 reachability when data is in S3. Exits 1 naming what a requested run needs and lacks.",
+    )
+    parser.add_argument(
+        "--require",
+        default="",
+        help=f"comma-separated needs of the run: {', '.join(REQUIREMENTS)} (e.g. gpu,nccl for a GPU cluster)",
+    )
+    parser.add_argument("--data", default="", help="check that this s3:// (or local) data location is reachable")
+    parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
+    parser.add_argument("--network-interface", default="", help="the NIC the run will be told to use")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hvd_train import compat  # noqa: F401  (Keras 2 before Horovod)
+    from hvd_train.errors import UserError
+
+    needs = [n.strip() for n in args.require.split(",") if n.strip()]
+    unknown = [n for n in needs if n not in REQUIREMENTS]
+    if unknown:
+        raise UserError(f"--require {unknown[0]!r} is unknown; use any of {', '.join(REQUIREMENTS)}.")
+    problems: list[str] = []
+
+    import tensorflow as tf
+
+    from hvd_train.compat import keras
+
+    print("versions")
+    print(f"  tensorflow  {tf.__version__}")
+    print(f"  keras       {keras.__version__} (tf_keras, Keras 2)")
+    build = _horovod_build()
+    print(f"  horovod     {build.get('version', 'not importable')}")
+    print("horovod build")
+    if "error" in build:
+        print(f"  cannot import horovod.tensorflow: {build['error']}")
+        problems.append("Horovod is not importable; run launch/install.sh")
+    else:
+        for key in ("tensorflow", "mpi", "gloo", "nccl", "cuda", "rocm"):
+            print(f"  {key:<11} {'yes' if build[key] else 'no'}")
+        for need in ("mpi", "gloo", "nccl"):
+            if need in needs and not build[need]:
+                fix = (
+                    "HVD_TRAIN_GPU=1 bash launch/install.sh (with CUDA and NCCL installed)"
+                    if need == "nccl"
+                    else ("bash launch/install.sh")
+                )
+                problems.append(f"Horovod was built without {need.upper()}; rebuild it: {fix}")
+
+    gpus = tf.config.list_physical_devices("GPU")
+    local_rank = _local_rank()
+    print("gpus")
+    print(f"  visible     {len(gpus)}{'' if gpus else ' (training runs on the CPU)'}")
+    for i, gpu in enumerate(gpus):
+        print(f"  [{i}] {gpu.name}")
+    if gpus:
+        print(f"  pinning     local rank {local_rank} -> GPU {local_rank % len(gpus)} (one GPU per local rank)")
+    if "gpu" in needs and not gpus:
+        problems.append("no GPU is visible to TensorFlow; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+
+    print("network")
+    interfaces = _interfaces()
+    for name, addresses in interfaces.items():
+        print(f"  {name:<11} {', '.join(addresses) or '-'}")
+    chosen = args.network_interface or os.environ.get("HOROVOD_GLOO_IFACE") or os.environ.get("NCCL_SOCKET_IFNAME")
+    if chosen:
+        for name in chosen.split(","):
+            if name not in interfaces:
+                problems.append(
+                    f"network interface {name!r} does not exist here; choose one of {', '.join(interfaces)}"
+                )
+            elif name == "lo":
+                problems.append("network interface 'lo' only reaches this host; workers on other hosts need a real NIC")
+        print(f"  chosen      {chosen} (horovodrun --network-interface / NCCL_SOCKET_IFNAME / HOROVOD_GLOO_IFACE)")
+    else:
+        print("  chosen      none set: horovodrun probes the hosts for common interfaces; NCCL takes the first")
+        print("              non-loopback one. Set --network-interface when hosts have several networks.")
+
+    data = args.data
+    endpoint = args.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+    if data.startswith("s3://") or endpoint:
+        problems += _check_s3(data, endpoint)
+    elif data:
+        print("data")
+        ok = os.path.exists(data)
+        print(f"  {data}: {'found' if ok else 'missing'}")
+        if not ok:
+            problems.append(f"data location {data} does not exist")
+
+    if problems:
+        print("problems")
+        for p in problems:
+            print(f"  - {p}")
+        return 1
+    print("ok" + (f": {', '.join(needs)} available" if needs else ""))
+    return 0
+
+
+def _horovod_build() -> dict:
+    try:
+        import horovod
+        import horovod.tensorflow as hvd
+    except Exception as e:  # a broken build raises all sorts of errors
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {
+        "version": horovod.__version__,
+        "tensorflow": True,
+        "mpi": hvd.mpi_built(),
+        "gloo": hvd.gloo_built(),
+        "nccl": hvd.nccl_built() > 0,
+        "cuda": hvd.cuda_built(),
+        "rocm": hvd.rocm_built(),
+    }
+
+
+def _local_rank() -> int:
+    for var in ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def _interfaces() -> dict[str, list[str]]:
+    import socket
+
+    import psutil  # a dependency of Horovod
+
+    stats = psutil.net_if_stats()
+    found = {}
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        up = stats.get(name)
+        label = [a.address for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
+        found[name] = label + ([] if up is None or up.isup else ["(down)"])
+    return found
+
+
+def _check_s3(data: str, endpoint: str) -> list[str]:
+    from hvd_train.data.storage import S3Options, client_for, redact_url, s3_message
+
+    print("s3")
+    options = S3Options(endpoint=endpoint, max_attempts=2, connect_timeout=5, read_timeout=10)
+    client = client_for(options)
+    shown = redact_url(client.meta.endpoint_url)
+    print(f"  endpoint    {shown}")
+    if not data.startswith("s3://"):
+        return []
+    bucket, _, prefix = data[len("s3://") :].partition("/")
+    try:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+    except Exception as e:
+        message = s3_message(e, "list", bucket, prefix, shown, "--data")
+        print(f"  {data}: unreachable")
+        return [message]
+    print(f"  {data}: reachable, {'has objects' if listed.get('KeyCount') else 'EMPTY'}")
+    return [] if listed.get("KeyCount") else [f"no objects below {data}"]

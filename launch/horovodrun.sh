@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Launch hvd-train with horovodrun, on this host or across hosts over ssh.
+#
+# Usage: launch/horovodrun.sh [options] [--] HVD_TRAIN_ARGS...
+#
+#   -n, --np N                 number of processes (default: 1)
+#   -H, --hosts H1:N,H2:N      hosts and their slots (default: localhost:N)
+#   --hostfile FILE            hosts, one "host slots=N" per line
+#   --network-interface IF     NIC(s) for Horovod and NCCL, comma separated
+#                              (never lo when there are several hosts)
+#   --gloo | --mpi             controller (default: Gloo, no MPI needed)
+#   --ssh-port PORT            sshd port on the other hosts
+#   --dry-run                  print the command and exit
+#   -h, --help                 this text
+#
+# horovodrun passes the whole environment (AWS_*, HOROVOD_*, NCCL_*, TF_*,
+# PYTHONPATH, ...) to every worker itself; hosts other than this one must
+# accept ssh without a password. HVD_TRAIN selects the program
+# (default: hvd-train on PATH).
+#
+# Examples:
+#   launch/horovodrun.sh --np 4 -- train --data /data/flowers --output runs/flowers
+#   launch/horovodrun.sh --np 16 -H gpu1:8,gpu2:8 --network-interface eth0 -- \
+#       train --data s3://bucket/flowers/ --output /shared/runs/flowers
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=launch/_common.sh
+source "$here/_common.sh"
+
+np=1 hosts="" hostfile="" iface="" controller=--gloo ssh_port=""
+while (($#)); do
+  case "$1" in
+    -n | --np) np=${2:?--np needs a number}; shift 2 ;;
+    -H | --hosts) hosts=${2:?--hosts needs H1:N,H2:N}; shift 2 ;;
+    --hostfile) hostfile=${2:?--hostfile needs a file}; shift 2 ;;
+    --network-interface) iface=${2:?--network-interface needs a name}; shift 2 ;;
+    --gloo | --mpi) controller=$1; shift ;;
+    --ssh-port) ssh_port=${2:?--ssh-port needs a number}; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h | --help) usage "$0"; exit 0 ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+(($#)) || die "give the hvd-train command after the options, e.g. -- train --data DIR --output DIR (see --help)"
+[[ -z "$hostfile" || -r "$hostfile" ]] || die "hostfile $hostfile cannot be read"
+[[ -z "$hostfile" || -z "$hosts" ]] || die "give --hostfile or --hosts, not both"
+if [[ ",$iface," == *,lo,* && ( -n "$hostfile" || "$hosts" == *,* ) ]]; then
+  die "--network-interface lo: workers on other hosts cannot reach each other over loopback"
+fi
+
+cmd=(horovodrun -np "$np" "$controller")
+[[ -n "$hosts" ]] && cmd+=(-H "$hosts")
+[[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")
+[[ -n "$iface" ]] && cmd+=(--network-interface "$iface")
+[[ -n "$ssh_port" ]] && cmd+=(-p "$ssh_port")
+run_or_print "${cmd[@]}" "${HVD_TRAIN:-hvd-train}" "$@"

@@ -1,0 +1,118 @@
+"""The launch scripts (dry runs), the Kubernetes manifest, the installer's help, and ``hvd-train doctor``."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import HVD_TRAIN, S3_SECRET, free_port, output_of, run
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+
+
+def dry(script, *args, **env):
+    proc = run(["bash", LAUNCH / script, *args], timeout=60, DRY_RUN="1", **env)
+    assert proc.returncode == 0, output_of(proc)
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("+ ")]
+    assert len(printed) == 1, proc.stderr
+    return printed[0][2:]
+
+
+def test_mpirun_script_forwards_names_never_values():
+    env = {"AWS_SECRET_ACCESS_KEY": S3_SECRET, "NCCL_DEBUG": "INFO", "HOROVOD_TIMELINE": "/tmp/t", "TF_X": "1"}
+    cmd = dry(
+        "mpirun.sh", "--np", "4", "-H", "a:2,b:2", "--network-interface", "eth1", "--", "train", "--data", "d", **env
+    )
+    assert cmd.startswith("mpirun -np 4 -H a:2\\,b:2 --bind-to none")
+    for name in env:
+        assert f"-x {name} " in cmd
+    assert S3_SECRET not in cmd
+    assert "--mca btl_tcp_if_include eth1 --mca oob_tcp_if_include eth1" in cmd
+    assert "-x NCCL_SOCKET_IFNAME" in cmd and cmd.endswith("hvd-train train --data d")
+
+
+def test_scripts_refuse_loopback_and_missing_commands():
+    proc = run(["bash", LAUNCH / "mpirun.sh", "--network-interface", "lo", "--", "train"], timeout=60)
+    assert proc.returncode == 2 and "loopback" in proc.stderr
+    proc = run(["bash", LAUNCH / "horovodrun.sh", "--np", "2"], timeout=60)
+    assert proc.returncode == 2 and "give the hvd-train command" in proc.stderr
+
+
+def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
+    cmd = dry(
+        "horovodrun.sh", "--np", "8", "-H", "g1:4,g2:4", "--network-interface", "ib0", "--", "train", "--data", "x"
+    )
+    assert cmd == "horovodrun -np 8 --gloo -H g1:4\\,g2:4 --network-interface ib0 hvd-train train --data x"
+    cmd = dry("docker.sh", "box", "--np", "4", "--mount", "/data", "--", "train", "--data", "/data/x", AWS_PROFILE="p")
+    assert "docker run --rm --gpus all --network host" in cmd and "-v /data:/data" in cmd and "-e AWS_PROFILE" in cmd
+    assert cmd.endswith("--entrypoint horovodrun hvd-train:latest -np 4 --gloo hvd-train train --data /data/x")
+    cmd = dry("docker.sh", "primary", "--hosts", "n1:8,n2:8", "--", "train", "--data", "s3://b/x/")
+    assert "-np 16 --gloo -H n1:8\\,n2:8 -p 12345" in cmd
+    cmd = dry("slurm.sbatch", "--", "train", "--data", "x", SLURM_NTASKS_PER_NODE="4", HVD_TRAIN_IFACE="eth2")
+    assert cmd.startswith("mpirun -np 4 --hostfile ") and "btl_tcp_if_include eth2" in cmd
+
+
+@pytest.mark.parametrize("script", ["mpirun.sh", "horovodrun.sh", "docker.sh", "slurm.sbatch", "install.sh"])
+def test_every_script_has_help(script):
+    proc = run(["bash", LAUNCH / script, "--help"], timeout=60)
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) > 5, output_of(proc)
+
+
+def test_mpijob_manifest_is_a_valid_v2beta1_mpijob():
+    docs = list(yaml.safe_load_all((LAUNCH / "k8s" / "mpijob.yaml").read_text()))
+    assert len(docs) == 1
+    job = docs[0]
+    assert job["apiVersion"] == "kubeflow.org/v2beta1" and job["kind"] == "MPIJob"
+    specs = job["spec"]["mpiReplicaSpecs"]
+    launcher = specs["Launcher"]["template"]["spec"]["containers"][0]
+    worker = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert launcher["command"] == ["mpirun"] and "hvd-train" in launcher["args"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == job["spec"]["slotsPerWorker"]
+    # 16 = workers x slots
+    assert launcher["args"][launcher["args"].index("-np") + 1] == str(specs["Worker"]["replicas"] * 8)
+    # Credentials come from a Secret, never inline.
+    assert all(e["name"] != "AWS_SECRET_ACCESS_KEY" for e in launcher.get("env", []))
+
+
+def test_dockerfile_uses_the_shared_install_script():
+    text = (REPO / "Dockerfile").read_text()
+    assert "bash launch/install.sh" in text and 'ENTRYPOINT ["hvd-train"]' in text
+    assert "USER 1000:1000" in text and "FROM runtime-${VARIANT} AS runtime" in text
+
+
+def test_doctor_on_this_machine():
+    proc = run([*HVD_TRAIN, "doctor"], timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    for section in ("versions", "horovod build", "gpus", "network", "ok"):
+        assert section in proc.stdout.splitlines()
+    assert "  mpi         yes" in proc.stdout and "  gloo        yes" in proc.stdout
+
+
+def test_doctor_fails_naming_what_is_missing():
+    proc = run([*HVD_TRAIN, "doctor", "--require", "gpu,nccl", "--network-interface", "nosuch0"], timeout=120)
+    assert proc.returncode == 1, output_of(proc)
+    assert "Horovod was built without NCCL" in proc.stdout
+    assert "no GPU is visible" in proc.stdout and "'nosuch0' does not exist" in proc.stdout
+    proc = run([*HVD_TRAIN, "doctor", "--require", "tpu"], timeout=120)
+    assert proc.returncode == 2 and "--require 'tpu' is unknown" in proc.stderr
+
+
+def test_doctor_checks_s3(s3_server):
+    s3_server.client().create_bucket(Bucket="doctor-bucket")
+    s3_server.client().put_object(Bucket="doctor-bucket", Key="a/x.png", Body=b"x")
+    proc = run([*HVD_TRAIN, "doctor", "--data", "s3://doctor-bucket/a/"], timeout=120, **s3_server.env)
+    assert proc.returncode == 0 and "s3://doctor-bucket/a/: reachable" in proc.stdout, output_of(proc)
+    assert S3_SECRET not in proc.stdout + proc.stderr
+    down = {**s3_server.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    proc = run([*HVD_TRAIN, "doctor", "--data", "s3://doctor-bucket/a/"], timeout=120, **down)
+    assert proc.returncode == 1 and "cannot reach S3" in proc.stdout, output_of(proc)
+
+
+def test_install_script_is_idempotent_and_quick_when_installed():
+    # The environment this test runs in was made by launch/install.sh; a second run finds everything.
+    proc = run(["bash", LAUNCH / "install.sh"], timeout=600, HVD_TRAIN_VENV=str(Path(sys.executable).parent.parent))
+    assert proc.returncode == 0, output_of(proc)
+    for step in ("already installed", "horovod 0.28.1 already installed", "[X] MPI", "[X] Gloo"):
+        assert step in proc.stdout, proc.stdout
