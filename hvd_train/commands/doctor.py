@@ -91,6 +91,13 @@ def run(args: argparse.Namespace) -> int:
         print("  chosen      none set: horovodrun probes the hosts for common interfaces; NCCL takes the first")
         print("              non-loopback one. Set --network-interface when hosts have several networks.")
 
+    resolved = _hostname_address()
+    print(f"  hostname    {resolved}")
+    if resolved.split(" -> ")[-1].startswith("127."):
+        print("  note        this hostname resolves to loopback: Horovod's Gloo controller binds some of its")
+        print("              connections to that address, so runs across hosts need it to resolve to the")
+        print("              host's cluster address (or use the MPI controller: --mpi / plain mpirun).")
+
     data = args.data
     endpoint = args.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
     if data.startswith("s3://") or endpoint:
@@ -147,6 +154,16 @@ def _interfaces() -> dict[str, list[str]]:
         label = [a.address for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
         found[name] = label + ([] if up is None or up.isup else ["(down)"])
     return found
+
+
+def _hostname_address() -> str:
+    import socket
+
+    name = socket.gethostname()
+    try:
+        return f"{name} -> {socket.gethostbyname(name)}"
+    except OSError:
+        return f"{name} -> (does not resolve)"
 
 
 def _check_s3(data: str, endpoint: str) -> list[str]:
