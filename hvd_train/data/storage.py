@@ -119,11 +119,15 @@ class LocalStore(Store):
         return sorted(found)
 
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
-        with open(os.path.join(self.root, rel), "rb") as f:
-            if start is None:
-                return f.read()
-            f.seek(start)
-            return f.read((end if end is not None else os.path.getsize(f.name)) - start)
+        path = os.path.join(self.root, rel)
+        try:
+            with open(path, "rb") as f:
+                if start is None:
+                    return f.read()
+                f.seek(start)
+                return f.read((end if end is not None else os.path.getsize(path)) - start)
+        except OSError as e:
+            raise UserError(f"cannot read {path} ({e.strerror}); was it deleted or changed during the run?") from None
 
     def write(self, rel: str, data: bytes) -> None:
         path = os.path.join(self.root, rel)
