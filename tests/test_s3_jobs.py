@@ -104,6 +104,7 @@ def test_s3_folder_and_s3_shards_reach_the_local_accuracy(local_run, bucket, s3_
         assert abs(summary["val_accuracy"] - local["val_accuracy"]) <= 0.1, (kind, summary, local)
         assert len(summary["input_wait_seconds"]) == 2 and all(b > 0 for b in summary["input_bytes"])
         assert "input waited" in procs[kind].stderr
+        print(f"{kind}: val_accuracy {summary['val_accuracy']:.4f} (local {local['val_accuracy']:.4f})")
     # Same images, same order: the S3 folder trains like the local one.
     folder = read_json(tmp_path / "folder" / "summary.json")
     assert folder["input_objects"][0] == 12 * folder["steps_per_epoch"] * 16

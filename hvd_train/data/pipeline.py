@@ -169,7 +169,7 @@ def train_shards(
     def blocks(epoch: int) -> list[Block]:
         order = np.random.default_rng([seed, epoch, 1]).permutation(len(shard_set.shards))
         first = rank * per_rank
-        mine = _ranges(shard_set, starts, order, first % n, per_rank)
+        mine = _ranges(shard_set, order, first % n, per_rank)
         out = [b for shard, lo, hi in mine for b in _split(shard_set, shard, lo, hi)]
         return [out[i] for i in np.random.default_rng([seed, epoch, 2, rank]).permutation(len(out))]
 
@@ -228,7 +228,7 @@ BLOCK_BYTES = 4 << 20  # a ranged read: large enough for S3 throughput, small en
 CYCLE = 4  # blocks read interleaved
 
 
-def _ranges(shard_set: ShardSet, starts, order, begin: int, count: int) -> list[tuple[int, int, int]]:
+def _ranges(shard_set: ShardSet, order, begin: int, count: int) -> list[tuple[int, int, int]]:
     """``(shard, first, last)`` runs covering ``count`` records from position
     ``begin`` of the records concatenated in shard ``order``, wrapping around."""
     out = []
@@ -374,7 +374,7 @@ def eval_dataset(
         reader = StreamReader(s3, local=not storage.is_s3(data.url))
         bounds = np.linspace(0, len(data), size + 1).astype(np.int64)
         order = np.arange(len(data.shards))
-        mine = _ranges(data, data.starts, order, int(bounds[rank]), int(bounds[rank + 1] - bounds[rank]))
+        mine = _ranges(data, order, int(bounds[rank]), int(bounds[rank + 1] - bounds[rank]))
         blocks = [b for shard, lo, hi in mine if hi > lo for b in _split(data, shard, lo, hi)]
         label_map = tf.constant(data.label_map, dtype=tf.int32)
 
