@@ -158,11 +158,9 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
     store = storage.open_store(url, s3)
     try:
         manifest = json.loads(store.read(MANIFEST))
-    except UserError:
-        raise
-    except (OSError, ValueError) as e:
+    except ValueError as e:
         raise UserError(f"cannot read {store.full(MANIFEST)} ({e}); pack the data again ({flag}).") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(
             f"{store.full(MANIFEST)} is not a manifest of {FORMAT} version {VERSION}; "
             f"pack the data with this version of hvd-train ({flag})."

@@ -15,6 +15,7 @@ error names the bucket and key; no credential is ever put in a message.
 from __future__ import annotations
 
 import collections
+import io
 import os
 import tempfile
 import threading
@@ -192,8 +193,6 @@ class S3Store(Store):
 
     def write(self, rel: str, data: bytes) -> None:
         # One PUT (or a multipart upload, completed last) is atomic in S3.
-        import io
-
         key = self.key(rel)
         try:
             self.client.upload_fileobj(io.BytesIO(data), self.bucket, key)
