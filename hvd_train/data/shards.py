@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from hvd_train.data import storage
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
-from hvd_train.data.images import sort_out
+from hvd_train.data.images import report_bad_images, sort_out
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -299,7 +299,7 @@ def _checked(stream, images: ImageSet, bad: list, policy: str):
             continue
         path = images.paths[i]
         if policy == "fail":
-            raise UserError(f"cannot decode image {path}: {reason}; fix or remove it, or pass --on-bad-image skip.")
+            report_bad_images([(path, reason)], policy, "SRC")  # raises the one message for an unreadable image
         bad.append((path, reason))
         log.warning("skipped %s: %s", path, reason)
 
