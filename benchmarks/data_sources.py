@@ -97,7 +97,8 @@ def main() -> int:
     from hvd_train import compat  # noqa: F401
     from hvd_train.data import shards
     from hvd_train.data.folder import list_folder
-    from hvd_train.data.pipeline import train_dataset, train_shards
+    from hvd_train.data.pipeline import train_input
+    from hvd_train.data.sharding import Segment
     from hvd_train.data.storage import S3Options
     from hvd_train.demo import make_demo_data
 
@@ -123,29 +124,18 @@ def main() -> int:
         shards.pack(str(data), str(work / "shards"), shard_size=size, on_bad_image="skip", seed=0, s3=s3)
         shards.pack(str(data), "s3://bench/shards/", shard_size=size, on_bad_image="skip", seed=0, s3=s3)
 
-        common = dict(
-            rank=0,
-            size=1,
-            batch_size=args.batch_size,
-            image_size=args.image_size,
-            augment="crop,flip",
-            preprocess=lambda x: x,
-            seed=0,
-            initial_epoch=0,
-            epochs=args.epochs,
-            s3=s3,
-        )
+        common = dict(rank=0, image_size=args.image_size, augment="crop,flip", preprocess=lambda x: x, seed=0, s3=s3)
         n = len(list_folder(str(data)))
-        steps = n // args.batch_size
-        common["steps"] = steps
+        segments = [(Segment.whole(e, n, 1, args.batch_size), 0) for e in range(args.epochs)]
+        steps = segments[0][0].steps
 
         def folder(url):
             images = list_folder(url, s3=s3)
-            return lambda: train_dataset(images.paths, images.labels, **common).dataset
+            return lambda: train_input(images, segments, **common).dataset
 
         def packed(url):
             shard_set = shards.load(url, "--data", s3)
-            return lambda: train_shards(shard_set, **common).dataset
+            return lambda: train_input(shard_set, segments, **common).dataset
 
         sources = {
             "local folder": folder(str(data)),

@@ -3,7 +3,9 @@
 Errors a user can fix print as one line (``error: ...``) and exit with 2;
 anything else prints its traceback and exits with 1. Under a launcher, a
 rank that fails alone ends the whole job (``distributed.abort``) rather than
-leave the other ranks waiting in a collective.
+leave the other ranks waiting in a collective. A run stopped by a signal
+(SIGTERM, SIGINT, SIGUSR1) after its checkpoint prints one line on every
+rank and exits with 75 (``preemption.EXIT_PREEMPTED``).
 """
 
 from __future__ import annotations
@@ -47,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     log.setup(rank, size)
     args = build_parser().parse_args(argv)
     logger = log.get_logger()
+    from hvd_train.preemption import Preempted
+
     try:
         return int(args.run(args) or 0)
+    except Preempted as e:
+        # Every rank stopped after the same step and rank 0's checkpoint is written.
+        logger.warning("%s", e)
+        return e.exit_code
     except UserError as e:
         if not e.agreed or rank == 0:
             logger.error("error: %s", e)

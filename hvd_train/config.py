@@ -39,6 +39,7 @@ LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam")
 BAD_IMAGE_POLICIES = ("skip", "fail")
 S3_RETRY_MODES = ("standard", "adaptive")
+ELASTIC_BATCH = ("keep-worker-batch", "keep-global-batch")
 
 
 def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
@@ -154,11 +155,24 @@ class HorovodConfig:
         fp16_allreduce: compress gradients to float16 for the allreduce.
         grad_accum: backward passes accumulated per optimizer step.
         threads_per_rank: TensorFlow CPU threads per process (0: cores / local ranks).
+        elastic: run as an elastic Horovod job (``horovodrun --min-np/--max-np
+            --host-discovery-script``): workers may leave or join mid-run.
+        commit_every: elastic: commit the state in memory every N steps (and
+            at every epoch end); a lost worker costs at most N steps.
+        elastic_batch: when the number of workers changes: keep each
+            worker's batch (the global batch and the learning rate follow the
+            workers linearly) or keep the global batch (each worker's batch
+            changes, the learning rate does not).
     """
 
     fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
     grad_accum: int = _opt(1, "--grad-accum", "backward passes per optimizer step (backward_passes_per_step)")
     threads_per_rank: int = _opt(0, "--threads-per-rank", "CPU threads per process (0: cores / local ranks)")
+    elastic: bool = _opt(False, "--elastic", "elastic job: workers may leave or join (horovodrun --min-np/--max-np)")
+    commit_every: int = _opt(20, "--commit-every", "elastic: commit the state in memory every N steps")
+    elastic_batch: str = _opt(
+        "keep-worker-batch", "--elastic-batch", "when the number of workers changes", choices=ELASTIC_BATCH
+    )
 
 
 @dataclass(frozen=True)
@@ -170,18 +184,30 @@ class RunConfig:
         epochs: number of training epochs.
         seed: seed of the split, the shuffles and the augmentation.
         resume: continue from the latest checkpoint in ``output``.
-        keep_checkpoints: how many epoch checkpoints to keep.
+        keep_checkpoints: how many checkpoints to keep (epoch ends and mid-epoch ones together).
+        checkpoint_every: also checkpoint inside epochs: every N steps
+            (``500``) or every duration (``90s``, ``15m``, ``2h``); empty:
+            at epoch ends only.
+        deterministic: TensorFlow op determinism: the same run gives
+            bit-identical weights, also when interrupted and resumed.
         tensorboard: write TensorBoard logs under ``output/tensorboard``.
         log_all_ranks: every rank logs at INFO, not only rank 0.
+        sample_log: folder where every rank appends the ids of the images of
+            each step (JSON lines), to audit what was trained on.
     """
 
     output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
     epochs: int = _opt(10, "--epochs", "number of training epochs")
     seed: int = _opt(42, "--seed", "seed of the split, the shuffles and the augmentation")
     resume: bool = _opt(True, "--resume", "continue from the latest checkpoint in --output")
-    keep_checkpoints: int = _opt(2, "--keep-checkpoints", "how many epoch checkpoints to keep")
+    keep_checkpoints: int = _opt(2, "--keep-checkpoints", "how many checkpoints to keep")
+    checkpoint_every: str = _opt(
+        "", "--checkpoint-every", "also checkpoint every N steps or every duration such as 15m (empty: epoch ends)"
+    )
+    deterministic: bool = _opt(False, "--deterministic", "TensorFlow op determinism: bit-identical reruns and resumes")
     tensorboard: bool = _opt(True, "--tensorboard", "write TensorBoard logs")
     log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
+    sample_log: str = _opt("", "--sample-log", "folder where each rank logs the image ids of every step (audits)")
 
 
 @dataclass(frozen=True)
@@ -235,6 +261,22 @@ class TrainConfig:
         )
         _require(h.grad_accum >= 1, "--grad-accum", h.grad_accum, "use a whole number >= 1")
         _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
+        _require(h.commit_every >= 1, "--commit-every", h.commit_every, "use a whole number >= 1")
+        _require(
+            not (h.elastic and h.grad_accum > 1),
+            "--grad-accum",
+            h.grad_accum,
+            "an elastic job cannot roll back gradients accumulated between updates; drop --grad-accum or --elastic",
+        )
+        try:
+            parse_every(r.checkpoint_every)
+        except ValueError:
+            _require(
+                False,
+                "--checkpoint-every",
+                r.checkpoint_every,
+                "give a number of steps (500) or a duration (90s, 15m, 2h)",
+            )
         _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
         _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
         for flag, folder in (("--data", d.train), ("--val-data", d.val)):
@@ -393,49 +435,76 @@ def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str)
             values[section][name] = value
 
 
+def parse_every(text: str) -> tuple[int, float]:
+    """Reads ``--checkpoint-every``: ``(steps, 0)``, ``(0, seconds)``, or ``(0, 0)`` for none.
+
+    ``500`` is steps; ``90s``, ``15m``, ``2h`` are durations; ``""`` is none.
+
+    Raises:
+        ValueError: anything else.
+    """
+    text = str(text or "").strip().lower()
+    if not text:
+        return 0, 0.0
+    if text.isdigit():
+        if int(text) < 1:
+            raise ValueError(text)
+        return int(text), 0.0
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = text[:-1], text[-1:]
+    try:
+        seconds = float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(text) from None
+    if not seconds > 0:
+        raise ValueError(text)
+    return 0, seconds
+
+
 @dataclass(frozen=True)
 class Plan:
     """Numbers derived from the configuration and the job, computed in one place.
 
     Attributes:
         world_size: number of Horovod processes.
+        batch_size: images per worker per step.
         global_batch: images per optimizer update: batch x workers x accumulation.
         steps_per_epoch: batches each rank runs per epoch (the same on every rank).
         scaled_lr: peak learning rate, ``base_lr`` scaled linearly to the global batch.
-        warmup_steps: batches of gradual warmup.
-        total_steps: batches of the whole run.
-        drop_period_steps: batches between ``step`` drops.
     """
 
     world_size: int
+    batch_size: int
     global_batch: int
     steps_per_epoch: int
     scaled_lr: float
-    warmup_steps: int
-    total_steps: int
-    drop_period_steps: int
 
 
-def make_plan(cfg: TrainConfig, world_size: int, num_train: int) -> Plan:
+def make_plan(cfg: TrainConfig, world_size: int, num_train: int, global_batch: int | None = None) -> Plan:
     """Derives batch sizes, steps and learning rates for ``world_size`` workers.
 
-    Steps count batches (backward passes): Horovod advances the optimizer's
-    ``iterations`` on every pass, also while accumulating gradients. Steps per
-    epoch cover every training image at least once and are rounded up to a
-    multiple of ``grad_accum`` so each epoch ends on a full update.
+    Steps count batches (backward passes). Steps per epoch cover every
+    training image at least once and are rounded up to a multiple of
+    ``grad_accum`` so each epoch ends on a full update.
+
+    Args:
+        global_batch: keep this global batch (an elastic job with
+            ``--elastic-batch keep-global-batch``): each worker's batch is
+            the nearest whole share of it. None: ``--batch-size`` per worker.
     """
     accum = cfg.horovod.grad_accum
-    per_pass = cfg.data.batch_size * world_size
+    batch = cfg.data.batch_size
+    if global_batch is not None:
+        batch = max(1, round(global_batch / (world_size * accum)))
+    per_pass = batch * world_size
     steps = max(1, math.ceil(num_train / per_pass))
     steps = math.ceil(steps / accum) * accum
     # Goyal et al.: the learning rate grows linearly with the global batch.
-    scale = world_size * accum
+    scale = per_pass * accum / cfg.data.batch_size
     return Plan(
         world_size=world_size,
+        batch_size=batch,
         global_batch=per_pass * accum,
         steps_per_epoch=steps,
         scaled_lr=cfg.optim.base_lr * scale,
-        warmup_steps=int(round(cfg.optim.warmup_epochs * steps)),
-        total_steps=cfg.run.epochs * steps,
-        drop_period_steps=cfg.optim.lr_drop_period * steps,
     )

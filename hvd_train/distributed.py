@@ -44,15 +44,22 @@ class Context:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    def refresh(self) -> None:
+        """Reads rank and size again (after an elastic reset changed them)."""
+        import horovod.tensorflow as hvd
+
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+
     # The helpers below work without Horovod when size == 1, so single-process
     # callers (and unit tests) need no launcher.
-    def broadcast_object(self, obj: T, name: str) -> T:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast_object(self, obj: T, name: str, root: int = 0) -> T:
+        """Rank ``root``'s ``obj`` on every rank."""
         if self.size == 1:
             return obj
         import horovod.tensorflow as hvd
 
-        return hvd.broadcast_object(obj, root_rank=0, name=name)
+        return hvd.broadcast_object(obj, root_rank=root, name=name)
 
     def allgather_object(self, obj: T, name: str) -> list[T]:
         """Every rank's ``obj``, in rank order, on every rank."""
@@ -122,7 +129,32 @@ def abort(code: int) -> None:
     os._exit(code)
 
 
-def init(threads_per_rank: int = 0) -> Context:
+def launched_by_mpi() -> bool:
+    """Started by mpirun (or horovodrun --mpi), not by horovodrun's Gloo launcher."""
+    return any(v in os.environ for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ
+
+
+def check_launch(elastic: bool) -> None:
+    """Refuses ``--elastic`` where no elastic launcher runs this process.
+
+    Raises:
+        UserError: ``--elastic`` under plain mpirun, or without an elastic horovodrun.
+    """
+    if not elastic:
+        return
+    if launched_by_mpi():
+        raise UserError(
+            "--elastic: plain mpirun (and horovodrun --mpi) has no elastic mode; launch with "
+            "horovodrun --min-np N --max-np M --host-discovery-script SCRIPT (Gloo), or drop --elastic."
+        )
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UserError(
+            "--elastic needs an elastic launcher: horovodrun --min-np N --max-np M --host-discovery-script SCRIPT "
+            "(see launch/horovodrun.sh --elastic); drop --elastic for a fixed set of workers."
+        )
+
+
+def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
     """Initialises Horovod and TensorFlow for this process.
 
     * Under plain ``mpirun`` (or ``horovodrun --mpi``) Horovod is initialised
@@ -134,16 +166,18 @@ def init(threads_per_rank: int = 0) -> Context:
 
     Args:
         threads_per_rank: TensorFlow threads per process (0: cores / local ranks).
+        deterministic: TensorFlow op determinism (``--deterministic``).
 
     Returns:
         The context of this process.
     """
     import tensorflow as tf
 
-    launched_by_mpi = any(v in os.environ for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
     import horovod.tensorflow as hvd
 
-    if launched_by_mpi:
+    if launched_by_mpi():
         from mpi4py import MPI
 
         # Horovod: share mpi4py's MPI_COMM_WORLD instead of initialising MPI twice.
@@ -188,13 +222,13 @@ def distributed_optimizer(optimizer, *, fp16_allreduce: bool, grad_accum: int):
     )
 
 
-def broadcast_variables(variables, ctx: Context) -> None:
-    """Gives every rank rank 0's values of ``variables`` (weights, optimizer state)."""
+def broadcast_variables(variables, ctx: Context, root: int = 0) -> None:
+    """Gives every rank rank ``root``'s values of ``variables`` (weights, optimizer state)."""
     if ctx.size == 1:
         return
     import horovod.tensorflow as hvd
 
-    hvd.broadcast_variables(variables, root_rank=0)
+    hvd.broadcast_variables(variables, root_rank=root)
 
 
 def average_variables(variables, ctx: Context, name: str) -> None:
@@ -208,11 +242,97 @@ def average_variables(variables, ctx: Context, name: str) -> None:
         variable.assign(value)
 
 
-def metric_average_callback():
-    """Horovod's callback that averages epoch metrics over ranks in place."""
-    import horovod.tensorflow.keras as hvd_keras
+def is_horovod_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because a worker was lost (or Horovod shut down)."""
+    from horovod.common.exceptions import HorovodInternalError
 
-    return hvd_keras.callbacks.MetricAverageCallback()
+    if isinstance(e, HorovodInternalError):
+        return True
+    import tensorflow as tf
+
+    return isinstance(e, tf.errors.UnknownError) and "Horovod" in (e.message or "")
+
+
+class ElasticSession:
+    """What an elastic job keeps, rolls back and shares; ``run_elastic`` drives it.
+
+    Subclasses implement ``save`` (commit in memory), ``restore`` (roll back
+    to the last commit), ``sync`` (make every rank, new ones included, equal
+    to the most advanced one), ``reset`` (after the world changed) and
+    ``body`` (train); ``commit`` is given to them.
+    """
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def body(self):
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        self._state.commit()
+
+
+def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
+    """Runs ``session.body()`` as an elastic Horovod job until it returns.
+
+    A collective that fails because a worker was lost makes every survivor
+    roll back to the last commit (``session.restore``); Horovod then forms
+    the new world (``hvd.shutdown(); hvd.init()``, which waits for at least
+    ``--min-np`` workers), ``ctx`` is refreshed, ``session.reset`` adapts
+    to it, ``session.sync`` brings every rank (new ones included) to the
+    same state, and the body runs again. New workers announced by the driver
+    surface at the next commit and join the same way, without a rollback.
+
+    Unlike ``horovod.tensorflow.elastic.run``, any failed Horovod collective
+    counts as a lost worker (grouped allreduces and failures during ``sync``
+    included), and any other error ends the job rather than being dropped.
+    """
+    import horovod.tensorflow as hvd
+    from horovod.common.elastic import State, run_fn
+    from horovod.common.exceptions import HorovodInternalError
+
+    def guarded(fn):
+        def call(*args):
+            try:
+                return fn(*args)
+            except Exception as e:
+                if is_horovod_failure(e) and not isinstance(e, HorovodInternalError):
+                    raise HorovodInternalError(e) from None
+                raise
+
+        return call
+
+    class _State(State):
+        def __init__(self):
+            super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0), get_rank=hvd.rank)
+
+        save = staticmethod(guarded(session.save))
+        restore = staticmethod(session.restore)
+        sync = staticmethod(guarded(session.sync))
+
+        def commit(self):
+            guarded(super().commit)()
+
+    def reset():
+        if on_lost is not None:
+            on_lost()
+        hvd.shutdown()
+        hvd.init()
+        ctx.refresh()
+        session.reset()
+
+    state = _State()
+    session._state = state
+    return run_fn(lambda _: guarded(session.body)(), reset)(state)
 
 
 def versions() -> dict[str, str]:

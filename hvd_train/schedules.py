@@ -2,96 +2,90 @@
 
 Goyal et al. (2017), "Accurate, Large Minibatch SGD": with k workers the
 learning rate is k times the single-worker rate, reached by a linear warmup
-from the single-worker rate over the first epochs. The warmup lives inside
-the schedule object, as in Keras' ``CosineDecay(warmup_steps=...)``: the
-optimizer evaluates it at its own ``iterations``, so a restored optimizer
-resumes at the right rate, and nothing pokes ``optimizer.lr`` from a callback
-(Horovod's ``LearningRateWarmupCallback`` does, and crashes on Keras >= 2.11
-optimizers).
+from the single-worker rate over the first epochs.
+
+The schedule is keyed on training progress measured in epochs (images seen
+divided by images per epoch), not on a step counter: a step holds more or
+fewer images when the number of workers changes (an elastic job, or a rerun
+on another cluster), and the rate must not jump then. The training loop
+evaluates the schedule before every step and sets the optimizer's
+learning-rate variable; nothing is traced into the step, so the compiled
+step never holds a stale rate. (Horovod's ``LearningRateWarmupCallback`` is
+not used: it writes floats over Keras >= 2.11 optimizer variables and
+crashes.)
 """
 
 from __future__ import annotations
 
 import math
 
-import tensorflow as tf
 
-from hvd_train.compat import keras
-
-
-# Registered so that optimizers can be rebuilt from their config: Horovod's
-# DistributedOptimizer does exactly that when it wraps one.
-@keras.saving.register_keras_serializable(package="hvd_train")
-class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warmup from ``initial_lr`` to ``peak_lr``, then a decay.
+class WarmupSchedule:
+    """Linear warmup from ``initial_lr`` to ``peak_lr``, then a decay; a function of epochs.
 
     Args:
-        initial_lr: rate at step 0 (one worker's rate).
+        initial_lr: rate at the start (one worker's rate).
         peak_lr: rate at the end of warmup (scaled to the global batch).
-        warmup_steps: steps of linear warmup; 0 starts at ``peak_lr``.
-        total_steps: steps of the whole run; cosine reaches 0 there.
+        warmup_epochs: epochs of linear warmup; 0 starts at ``peak_lr``.
+        total_epochs: epochs of the whole run; cosine reaches 0 there.
         decay: ``cosine``, ``step`` or ``constant`` after warmup.
         drop_factor: with ``step``, the rate is multiplied by this every
-            ``drop_period_steps`` steps, counted from step 0.
-        drop_period_steps: steps between drops.
+            ``drop_period_epochs`` epochs, counted from the start.
+        drop_period_epochs: epochs between drops.
     """
 
     def __init__(
         self,
         initial_lr: float,
         peak_lr: float,
-        warmup_steps: int,
-        total_steps: int,
+        warmup_epochs: float,
+        total_epochs: float,
         decay: str = "cosine",
         drop_factor: float = 0.1,
-        drop_period_steps: int = 1,
-        name: str = "WarmupSchedule",
+        drop_period_epochs: float = 1.0,
     ):
-        super().__init__()
         if decay not in ("cosine", "step", "constant"):
             raise ValueError(f"`decay` must be cosine, step or constant. Received: decay={decay!r}")
-        if total_steps <= 0:
-            raise ValueError(f"`total_steps` must be > 0. Received: total_steps={total_steps}")
-        if warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` must be >= 0. Received: warmup_steps={warmup_steps}")
-        if drop_period_steps <= 0:
-            raise ValueError(f"`drop_period_steps` must be > 0. Received: drop_period_steps={drop_period_steps}")
+        if total_epochs <= 0:
+            raise ValueError(f"`total_epochs` must be > 0. Received: total_epochs={total_epochs}")
+        if warmup_epochs < 0:
+            raise ValueError(f"`warmup_epochs` must be >= 0. Received: warmup_epochs={warmup_epochs}")
+        if drop_period_epochs <= 0:
+            raise ValueError(f"`drop_period_epochs` must be > 0. Received: drop_period_epochs={drop_period_epochs}")
         self.initial_lr = float(initial_lr)
         self.peak_lr = float(peak_lr)
-        self.warmup_steps = int(warmup_steps)
-        self.total_steps = int(total_steps)
+        self.warmup_epochs = float(warmup_epochs)
+        self.total_epochs = float(total_epochs)
         self.decay = decay
         self.drop_factor = float(drop_factor)
-        self.drop_period_steps = int(drop_period_steps)
-        self.name = name
+        self.drop_period_epochs = float(drop_period_epochs)
 
-    def __call__(self, step):
-        with tf.name_scope(self.name):
-            step = tf.cast(step, tf.float32)
-            peak = tf.constant(self.peak_lr, tf.float32)
-            if self.decay == "cosine":
-                span = max(1, self.total_steps - self.warmup_steps)
-                progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
-                decayed = peak * 0.5 * (1.0 + tf.cos(math.pi * progress))
-            elif self.decay == "step":
-                drops = tf.floor(step / self.drop_period_steps)
-                decayed = peak * tf.pow(tf.constant(self.drop_factor, tf.float32), drops)
-            else:
-                decayed = peak
-            if self.warmup_steps == 0:
-                return decayed
-            fraction = tf.minimum(step / self.warmup_steps, 1.0)
-            warm = self.initial_lr + (self.peak_lr - self.initial_lr) * fraction
-            return tf.where(step < self.warmup_steps, warm, decayed)
+    def __call__(self, epochs: float) -> float:
+        """The rate after ``epochs`` epochs of training (fractional)."""
+        t = float(epochs)
+        if t < self.warmup_epochs:
+            return self.initial_lr + (self.peak_lr - self.initial_lr) * t / self.warmup_epochs
+        if self.decay == "cosine":
+            span = max(self.total_epochs - self.warmup_epochs, 1e-12)
+            progress = min(max((t - self.warmup_epochs) / span, 0.0), 1.0)
+            return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if self.decay == "step":
+            # A tolerance keeps a drop exactly at the period even after float sums of image counts.
+            drops = math.floor(t / self.drop_period_epochs + 1e-9)
+            return self.peak_lr * self.drop_factor**drops
+        return self.peak_lr
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return {
             "initial_lr": self.initial_lr,
             "peak_lr": self.peak_lr,
-            "warmup_steps": self.warmup_steps,
-            "total_steps": self.total_steps,
+            "warmup_epochs": self.warmup_epochs,
+            "total_epochs": self.total_epochs,
             "decay": self.decay,
             "drop_factor": self.drop_factor,
-            "drop_period_steps": self.drop_period_steps,
-            "name": self.name,
+            "drop_period_epochs": self.drop_period_epochs,
         }
+
+    @classmethod
+    def from_config(cls, config: dict) -> WarmupSchedule:
+        return cls(**config)

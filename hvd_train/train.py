@@ -1,70 +1,44 @@
 """One training run, on every rank: the Horovod recipe from data to outputs.
 
-1. Data: rank 0 lists, every rank checks its share of images, all agree.
-2. Model: rank 0 loads the weights; the others receive them by broadcast.
-3. Optimizer: ``DistributedOptimizer`` around SGD/Adam whose learning rate is
-   a ``WarmupSchedule`` (linear scaling, gradual warmup, decay).
-4. Resume: rank 0 restores the latest checkpoint; model and optimizer state
-   are broadcast from rank 0 before the first step.
-5. ``fit`` with every rank running the same number of steps; metrics and
-   BatchNorm statistics averaged over ranks; exact evaluation after every
-   epoch; rank 0 writes everything.
+``run`` goes through five stages, each one function below:
+
+1. ``load_data``: rank 0 lists the images, every rank checks its share, all agree.
+2. ``build_net``: rank 0 loads the weights; Horovod's ``DistributedOptimizer``.
+3. ``start_state``: a fresh ``TrainState``, or rank 0 restores the latest
+   intact checkpoint; weights and optimizer state are broadcast from rank 0.
+4. ``fit``: the training loop (``loop.Loop``) until the last epoch; in an
+   elastic job, inside Horovod's elastic retry loop (``ElasticTraining``).
+5. ``finish``: final evaluation, the saved model and ``summary.json``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
 import shutil
-import statistics
-import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
 from hvd_train import checkpoints, distributed
-from hvd_train.callbacks import ExactEvaluation, make_callbacks
+from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
-from hvd_train.config import Plan, TrainConfig, make_plan
-from hvd_train.data.pipeline import eval_dataset, input_failure, train_dataset, train_shards
-from hvd_train.data.shards import ShardSet
+from hvd_train.config import TrainConfig
 from hvd_train.data.sources import training_sets
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
-from hvd_train.evaluation import evaluate
+from hvd_train.evaluation import EvalResult
 from hvd_train.log import get_logger
-from hvd_train.models import HEAD_LAYER, build_model, get_spec, resolve_bn
-from hvd_train.schedules import WarmupSchedule
+from hvd_train.loop import History, Job, Loop, fresh_state, median_rate
+from hvd_train.models import build_model, get_spec, resolve_bn
+from hvd_train.preemption import StopRequests
+from hvd_train.state import TrainState
 
 log = get_logger("train")
-
-
-class Classifier(keras.Model):
-    """A functional model whose train step can scale the new head's gradients.
-
-    With SGD, multiplying a variable's gradient by m is the same as
-    multiplying its learning rate by m (MATLAB's WeightLearnRateFactor).
-    """
-
-    head_lr_mult: float = 1.0
-
-    def train_step(self, data):
-        images, labels = data
-        with tf.GradientTape() as tape:
-            probs = self(images, training=True)
-            loss = self.compute_loss(images, labels, probs)
-        # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients.
-        grads_and_vars = self.optimizer.compute_gradients(loss, self.trainable_variables, tape=tape)
-        if self.head_lr_mult != 1.0:
-            head = {v.ref() for v in self.get_layer(HEAD_LAYER).trainable_variables}
-            grads_and_vars = [
-                (g * self.head_lr_mult if g is not None and v.ref() in head else g, v) for g, v in grads_and_vars
-            ]
-        self.optimizer.apply_gradients(grads_and_vars)
-        return self.compute_metrics(images, labels, probs, None)
 
 
 @dataclass(frozen=True)
@@ -85,20 +59,55 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
 
     Every rank of the job calls this with the same configuration.
 
-    Returns:
-        The summary (also written to ``summary.json`` by rank 0) and the model.
-
     Raises:
         UserError: on every rank, for bad data, weights or options.
+        Preempted: on every rank, after a signal, with a checkpoint written.
     """
-    out = cfg.run.output
-    ctx.on_root(lambda: _prepare_output(cfg), name="prepare_output")
-    threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
+    stop = StopRequests().install()
+    try:
+        if cfg.horovod.elastic:
+            training = ElasticTraining(cfg, ctx, stop)
+            distributed.run_elastic(training, ctx, on_lost=training.on_lost)
+            job, net, state, history = training.job, training.net, training.state, training.history
+        else:
+            prepare_output(cfg, ctx)
+            job = load_data(cfg, ctx)
+            net = build_net(job, ctx)
+            state, history = start_state(job, ctx, net)
+            fit(job, ctx, net, state, stop, history)
+        return finish(job, ctx, net, state, history)
+    finally:
+        stop.uninstall()
 
+
+# --- 1. data -------------------------------------------------------------------
+
+
+def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
+    """Rank 0 makes the output folder (or says why it cannot) and writes ``run_config.yaml``."""
+
+    def prepare() -> None:
+        out = cfg.run.output
+        try:
+            os.makedirs(out, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
+            probe.close()
+        except OSError as e:
+            raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
+        if not cfg.run.resume:
+            shutil.rmtree(checkpoints.folder(out), ignore_errors=True)
+        with open(os.path.join(out, "run_config.yaml"), "w", encoding="utf-8") as f:
+            f.write(cfg.to_yaml())
+
+    ctx.on_root(prepare, name="prepare_output")
+
+
+def load_data(cfg: TrainConfig, ctx: Context) -> Job:
+    """The checked training and held-out images, the same on every rank."""
+    threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
     spec = get_spec(cfg.model.name)
-    image_size = cfg.data.image_size or spec.default_size
-    plan = make_plan(cfg, ctx.size, len(train_set))
+    job = Job(cfg, train_set, val_set, cfg.data.image_size or spec.default_size)
     bn_mode, bn_momentum = resolve_bn(cfg.model)
     log.info(
         "%d classes; %d training images, %d held-out; %s at %dx%d (weights %s, BatchNorm %s%s)",
@@ -106,163 +115,239 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
         len(train_set),
         len(val_set) if val_set else 0,
         spec.name,
-        image_size,
-        image_size,
+        job.image_size,
+        job.image_size,
         cfg.model.weights,
         bn_mode,
         f", momentum {bn_momentum}" if bn_mode == "train" and bn_momentum else "",
     )
+    if ctx.is_root:
+        _write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
+    return job
+
+
+# --- 2. model --------------------------------------------------------------------
+
+
+def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
+    """The model (rank 0 loads the weights), Horovod's optimizer and the compiled step.
+
+    Args:
+        collective: all ranks build together and agree on errors; False for a
+            worker joining an elastic job, which receives everything by
+            broadcast and must not start a collective of its own.
+    """
+    cfg = job.cfg
+    if cfg.run.deterministic:
+        keras.utils.set_random_seed(cfg.run.seed)
+    use_step_seeded_dropout()
+
+    def build():
+        # Rank 0 alone loads (maybe downloads) the weights; the others get them by
+        # broadcast, so a download failure must stop every rank, not just rank 0.
+        load = ctx.is_root and collective
+        return build_model(cfg.model, len(job.classes), job.image_size, load_weights=load)
+
+    base = ctx.agree(build, name="build_model") if collective else build()
+    return Net(base, cfg, cfg.run.seed, ctx.rank)
+
+
+# --- 3. state --------------------------------------------------------------------
+
+
+def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
+    """A fresh state, or the one of the latest intact checkpoint; every rank gets rank 0's.
+
+    Returns:
+        The state and an empty history.
+    """
+    cfg = job.cfg
+    plan = job.plan(ctx.size)
     log.info(
         "%d worker(s) x batch %d x accumulation %d = global batch %d; %d steps/epoch; "
-        "lr %.4g -> %.4g over %d warmup steps, then %s",
+        "lr %.4g -> %.4g over %g warmup epoch(s), then %s",
         ctx.size,
-        cfg.data.batch_size,
+        plan.batch_size,
         cfg.horovod.grad_accum,
         plan.global_batch,
         plan.steps_per_epoch,
         cfg.optim.base_lr,
         plan.scaled_lr,
-        plan.warmup_steps,
+        cfg.optim.warmup_epochs,
         cfg.optim.lr_schedule,
     )
-    if ctx.is_root:
-        _write_json(os.path.join(out, "labels.json"), train_set.classes)
-
-    # Rank 0 alone loads (maybe downloads) the weights; the others get them by
-    # broadcast, so a download failure must stop every rank, not just rank 0.
-    base = ctx.agree(
-        lambda: build_model(cfg.model, len(train_set.classes), image_size, load_weights=ctx.is_root),
-        name="build_model",
-    )
-    model = Classifier(base.inputs, base.outputs, name=base.name)
-    model.head_lr_mult = cfg.optim.head_lr_mult
-
-    optimizer, schedule = _make_optimizer(cfg, plan)
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
-    # Optimizer state must exist before it can be restored and broadcast.
-    optimizer.build(model.trainable_variables)
 
     def restore():
-        found = checkpoints.latest(out) if cfg.run.resume else None
+        found = checkpoints.latest(cfg.run.output) if cfg.run.resume else None
         if found is None:
-            return 0
-        path, state = found
-        checkpoints.restore(path, model, optimizer)
-        epoch = int(state["epoch"])
-        # The schedule reads the step counter: count the steps of the finished
-        # epochs as this job takes them, which differs when the number of
-        # workers or the batch changed since the checkpoint.
-        optimizer.iterations.assign(epoch * plan.steps_per_epoch)
-        log.info("resuming from %s: %d epoch(s) done", path, epoch)
-        if state.get("global_batch") != plan.global_batch:
-            log.warning(
-                "the global batch was %s and is %d now; the learning rate follows the new one",
-                state.get("global_batch"),
-                plan.global_batch,
-            )
-        return epoch
+            return None
+        rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        return found.path, found.state.to_dict(), rows
 
-    initial_epoch = ctx.on_root(restore, name="restore")
+    restored = ctx.on_root(restore, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.
-    distributed.broadcast_variables(model.variables, ctx)
-    distributed.broadcast_variables(optimizer.variables, ctx)
+    distributed.broadcast_variables(net.variables, ctx)
+    if restored is None:
+        return fresh_state(job, plan), History()
+    path, values, rows = restored
+    state = TrainState.from_dict(values)
+    # Each rank takes back its own BatchNorm statistics and metric sums, or
+    # their mean when the workers are not the same ones.
+    same_workers = rows.shape[0] == ctx.size == state.world_size
+    net.write_local(rows[ctx.rank] if same_workers else rows.mean(axis=0))
+    if state.total != len(job.train):
+        log.warning(
+            "the checkpoint was written for %d training images and there are %d now: epoch %d starts over",
+            state.total,
+            len(job.train),
+            state.epoch + 1,
+        )
+        state.restart_epoch(len(job.train))
+    log.info(
+        "resuming from %s: %d epoch(s) done, %d of %d images of epoch %d consumed, step %d",
+        path,
+        state.epoch,
+        state.samples,
+        state.total,
+        state.epoch + 1,
+        state.step,
+    )
+    if state.global_batch != plan.global_batch:
+        log.warning(
+            "the global batch was %d and is %d now; the learning rate follows the new one",
+            state.global_batch,
+            plan.global_batch,
+        )
+    history = History()
+    history.resumed_from = path
+    return state, history
 
-    s3 = cfg.data.s3_options()
 
-    def make_val():
-        return eval_dataset(
-            val_set,
-            rank=ctx.rank,
-            size=ctx.size,
-            batch_size=cfg.data.batch_size,
-            image_size=image_size,
-            crop_fraction=cfg.data.crop_fraction,
-            preprocess=spec.preprocess_input(),
-            threads=threads,
-            s3=s3,
+# --- 4. fit ------------------------------------------------------------------------
+
+
+def fit(job: Job, ctx: Context, net: Net, state: TrainState, stop: StopRequests, history: History) -> None:
+    """Trains from ``state`` until every epoch is done (``loop.Loop``)."""
+    if state.epoch >= job.cfg.run.epochs:
+        log.info(
+            "all %d epochs are done already (checkpoint in %s); evaluating", job.cfg.run.epochs, job.cfg.run.output
+        )
+        return
+    Loop(job, ctx, net, state, stop, history).run()
+
+
+class ElasticTraining(distributed.ElasticSession):
+    """An elastic job (``--elastic``): stages 1-4 inside Horovod's elastic retry loop.
+
+    The first workers set the run up together (stages 1-3), then commit. A
+    worker lost mid-run makes the survivors roll back to the last commit
+    (``restore``), the rest of the epoch is dealt anew to the workers left
+    (``Loop.configure``), and training goes on. A worker that joins later
+    receives the job description, the state and the weights from the most
+    advanced rank (``sync``) without a collective of its own.
+    """
+
+    def __init__(self, cfg: TrainConfig, ctx: Context, stop: StopRequests):
+        self.cfg, self.ctx, self.stop = cfg, ctx, stop
+        self.job: Job | None = None
+        self.net: Net | None = None
+        self.state: TrainState | None = None
+        self.history = History()
+        self._saved = None
+        self._lost_at = 0.0
+
+    def body(self) -> None:
+        if self.state is None:
+            prepare_output(self.cfg, self.ctx)
+            self.job = load_data(self.cfg, self.ctx)
+            self.net = build_net(self.job, self.ctx)
+            self.state, history = start_state(self.job, self.ctx, self.net)
+            self.history = history
+            self.commit()
+        if self.state.epoch >= self.cfg.run.epochs:
+            return
+        Loop(self.job, self.ctx, self.net, self.state, self.stop, self.history, commit=self.commit).run()
+
+    def save(self) -> None:
+        net = self.net
+        self._saved = (
+            [v.numpy() for v in net.variables],
+            net.read_local(),
+            self.state.copy(),
+            copy.deepcopy(self.history),
         )
 
-    evaluation = ExactEvaluation(make_val, len(train_set.classes), ctx) if val_set else None
-    history = None
-    reader = None
-    if initial_epoch < cfg.run.epochs:
-        options = dict(
-            rank=ctx.rank,
-            size=ctx.size,
-            batch_size=cfg.data.batch_size,
-            image_size=image_size,
-            augment=cfg.data.augment,
-            preprocess=spec.preprocess_input(),
-            seed=cfg.run.seed,
-            initial_epoch=initial_epoch,
-            epochs=cfg.run.epochs,
-            steps=plan.steps_per_epoch,
-            threads=threads,
-            s3=s3,
+    def restore(self) -> None:
+        if self._saved is None:  # lost a worker while setting up: set up again
+            self.job = self.net = self.state = None
+            return
+        values, local, state, history = self._saved
+        lost = self.state.step - state.step if self.state else 0
+        for variable, value in zip(self.net.variables, values):
+            variable.assign(value)
+        self.net.write_local(local)
+        self.state = state.copy()
+        self.history = copy.deepcopy(history)
+        self.history.resets.append(
+            {"from": self.ctx.size, "lost_steps": lost, "lost_images": lost * self.state.global_batch}
         )
-        if isinstance(train_set, ShardSet):
-            shard = train_shards(train_set, **options)
+
+    def on_lost(self) -> None:
+        self._lost_at = time.time()
+        log.warning(
+            "elastic: the workers changed; waiting for the new set (at least --min-np, up to the elastic timeout)"
+        )
+
+    def reset(self) -> None:
+        from hvd_train import log as logs
+
+        logs.setup(self.ctx.rank, self.ctx.size, all_ranks=self.cfg.run.log_all_ranks)
+        if self.history.resets and "to" not in self.history.resets[-1]:
+            self.history.resets[-1].update(to=self.ctx.size, since=self._lost_at)
         else:
-            shard = train_dataset(train_set.paths, train_set.labels, **options)
-        reader = shard.reader
-        callbacks = make_callbacks(
-            ctx=ctx,
-            schedule=schedule,
-            images_per_epoch=plan.steps_per_epoch * cfg.data.batch_size * ctx.size,
-            evaluation=evaluation,
-            output=out,
-            initial_epoch=initial_epoch,
-            keep_checkpoints=cfg.run.keep_checkpoints,
-            tensorboard=cfg.run.tensorboard,
-            state={"world_size": ctx.size, "global_batch": plan.global_batch},
-            reader=reader,
+            self.history.resets.append({"to": self.ctx.size, "lost_steps": 0, "lost_images": 0, "since": self._lost_at})
+        log.info("elastic: %d worker(s) now; this is rank %d", self.ctx.size, self.ctx.rank)
+
+    def sync(self) -> None:
+        ctx = self.ctx
+        # Horovod: the most advanced rank, an old worker, is the source of truth.
+        progress = ctx.allgather_object(self.state.images_seen if self.state is not None else -1, name="progress")
+        root = int(np.argmax(progress))
+        if progress[root] < 0:
+            return  # nobody has started: the body sets the run up together
+        shared = ctx.broadcast_object(
+            (self.job, self.state.to_dict() if ctx.rank == root else None, self.history if ctx.rank == root else None),
+            name="job",
+            root=root,
         )
-        try:
-            history = model.fit(
-                shard.dataset,
-                epochs=cfg.run.epochs,
-                initial_epoch=initial_epoch,
-                steps_per_epoch=shard.steps_per_epoch,
-                callbacks=callbacks,
-                # Horovod: progress output from rank 0 only.
-                verbose=(1 if _interactive() else 2) if ctx.is_root else 0,
-            )
-        except tf.errors.OpError as e:
-            # Only this rank knows: it ends the job (cli.main).
-            failure = input_failure()
-            if failure is not None:
-                # S3 gave up after its retries, or a shard is corrupt.
-                if isinstance(failure, UserError):
-                    raise UserError(f"rank {ctx.rank}: {failure}") from None
-                raise failure from None
-            if not isinstance(
-                e, (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError)
-            ):
-                raise
-            # Images were checked at the start; failing now means one changed
-            # during the run.
-            reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
-            raise UserError(
-                f"rank {ctx.rank} could not read its input during training ({reason}); "
-                f"was an image deleted or changed while training? Fix the data and rerun (--resume continues)."
-            ) from None
-    else:
-        log.info("all %d epochs are done already (checkpoint in %s); evaluating", cfg.run.epochs, out)
+        job, values, history = shared
+        if self.net is None:  # a new worker
+            self.job = job
+            self.net = build_net(job, ctx, collective=False)
+        self.state = TrainState.from_dict(values)
+        self.history = history
+        distributed.broadcast_variables(self.net.variables + self.net.local_variables(), ctx, root=root)
+        self.save()
 
-    final = evaluation.last if evaluation and evaluation.last is not None else None
-    if final is None and val_set:
-        final = evaluate(model, make_val(), len(train_set.classes), ctx, name="val.final")
 
-    digests = ctx.allgather_object(_weights_digest(model), name="weights_digest")
+# --- 5. finish ---------------------------------------------------------------------
+
+
+def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History) -> Outcome:
+    """Final evaluation, identical-weights check, ``model.keras`` and ``summary.json``."""
+    cfg = job.cfg
+    final = history.last_eval
+    if final is None and job.val is not None:
+        final = Loop(job, ctx, net, state, StopRequests(), history).evaluate("val.final")
+    digests = ctx.allgather_object(_weights_digest(net.model), name="weights_digest")
     identical = len(set(digests)) == 1
     if not identical:
         log.error("ranks ended with different weights: %s", digests)
-    input_stats = ctx.allgather_object(reader.stats() if reader else None, name="input_stats")
-    summary = _summary(cfg, ctx, plan, image_size, final, history, digests, identical, input_stats)
+    summary = _summary(job, ctx, state, final, history, digests, identical)
     if ctx.is_root:
-        export = keras.Model(model.inputs, model.outputs, name=model.name)
-        _save_model_atomically(export, os.path.join(out, "model.keras"))
-        _write_json(os.path.join(out, "summary.json"), summary)
+        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
+        _write_json(os.path.join(cfg.run.output, "summary.json"), summary)
         if final is not None:
             log.info(
                 "held-out accuracy %.4f (top-%d %.4f) on %d images; %.1f images/s on %d worker(s)",
@@ -273,52 +358,13 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
                 summary["images_per_sec"] or 0,
                 ctx.size,
             )
-        log.info("outputs in %s", out)
-    return Outcome(summary, model)
+        log.info("outputs in %s", cfg.run.output)
+    return Outcome(summary, net.model)
 
 
-def _make_optimizer(cfg: TrainConfig, plan: Plan):
-    """The Horovod-wrapped optimizer and its learning-rate schedule."""
-    schedule = WarmupSchedule(
-        initial_lr=cfg.optim.base_lr,
-        peak_lr=plan.scaled_lr,
-        warmup_steps=plan.warmup_steps,
-        total_steps=plan.total_steps,
-        decay=cfg.optim.lr_schedule,
-        drop_factor=cfg.optim.lr_drop_factor,
-        drop_period_steps=plan.drop_period_steps,
-    )
-    if cfg.optim.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=schedule, momentum=cfg.optim.momentum)
-    else:
-        optimizer = keras.optimizers.Adam(learning_rate=schedule)
-    optimizer = distributed.distributed_optimizer(
-        optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
-    )
-    return optimizer, schedule
-
-
-def _prepare_output(cfg: TrainConfig) -> None:
-    out = cfg.run.output
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
-        probe.close()
-    except OSError as e:
-        raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
-    if not cfg.run.resume:
-        shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
-    with open(os.path.join(out, "run_config.yaml"), "w", encoding="utf-8") as f:
-        f.write(cfg.to_yaml())
-
-
-def _summary(cfg, ctx, plan, image_size, final, history, digests, identical, input_stats) -> dict:
-    rates = []
-    if history is not None:
-        rates = [float(r) for r in history.history.get("images_per_sec", [])]
-    # The first epoch includes graph tracing and pipeline warm-up; report the
-    # steady state when there is one, and the first epoch separately.
-    steady = rates[1:] if len(rates) > 1 else rates
+def _summary(job, ctx, state, final: EvalResult | None, history: History, digests, identical) -> dict:
+    cfg = job.cfg
+    rate, first = median_rate(history)
     return {
         "val_accuracy": final.accuracy if final else None,
         "val_top5": final.top5 if final else None,
@@ -326,23 +372,37 @@ def _summary(cfg, ctx, plan, image_size, final, history, digests, identical, inp
         "val_loss": final.loss if final else None,
         "val_images": final.count if final else 0,
         "world_size": ctx.size,
-        "batch_size": cfg.data.batch_size,
-        "global_batch": plan.global_batch,
-        "steps_per_epoch": plan.steps_per_epoch,
+        "batch_size": state.batch_size,
+        "global_batch": state.global_batch,
+        "steps_per_epoch": job.plan(ctx.size, state).steps_per_epoch,
         "epochs": cfg.run.epochs,
-        "image_size": image_size,
+        "image_size": job.image_size,
         "model": get_spec(cfg.model.name).name,
-        "images_per_sec": statistics.median(steady) if steady else None,
-        "images_per_sec_first_epoch": rates[0] if rates else None,
+        # The first epoch includes graph tracing and pipeline warm-up; report the
+        # steady state when there is one, and the first epoch separately.
+        "images_per_sec": rate,
+        "images_per_sec_first_epoch": first,
         "weights_identical_across_ranks": identical,
         "weights_digest": digests[0],
-        # Per rank: seconds the input pipeline waited for S3 objects or shard
-        # blocks that were not fetched yet (an upper bound on the training
-        # stall they caused), objects fetched, and bytes read.
-        "input_wait_seconds": [round(s["wait_seconds"], 3) if s else None for s in input_stats],
-        "input_objects": [s["objects"] if s else None for s in input_stats],
-        "input_bytes": [s["bytes"] if s else None for s in input_stats],
+        "deterministic": cfg.run.deterministic,
+        "resumed_from": history.resumed_from,
+        "world_sizes": history.world_sizes,
+        "elastic_resets": history.resets,
+        "checkpoint_seconds": round(history.checkpoint_seconds, 3),
+        **_input_stats(ctx, history),
         **distributed.versions(),
+    }
+
+
+def _input_stats(ctx: Context, history: History) -> dict:
+    stats = ctx.allgather_object(history.input_stats, name="input_stats")
+    # Per rank: seconds the input pipeline waited for S3 objects or shard
+    # blocks that were not fetched yet (an upper bound on the training stall
+    # they caused), objects fetched, and bytes read.
+    return {
+        "input_wait_seconds": [round(s["wait_seconds"], 3) if s else None for s in stats],
+        "input_objects": [s["objects"] if s else None for s in stats],
+        "input_bytes": [s["bytes"] if s else None for s in stats],
     }
 
 
@@ -367,7 +427,3 @@ def _write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def _interactive() -> bool:
-    return sys.stdout.isatty()

@@ -94,9 +94,47 @@ def test_plan_scales_learning_rate_and_pads_steps():
     # ceil(1000 / 128) = 8 batches per rank, already a multiple of grad_accum
     assert plan.steps_per_epoch == 8
     assert plan.steps_per_epoch * 32 * 4 >= 1000
-    assert plan.warmup_steps == 16 and plan.total_steps == 80
+    assert plan.batch_size == 32
     odd = config.make_plan(cfg, world_size=4, num_train=1100)  # ceil(1100/128) = 9 -> 10
     assert odd.steps_per_epoch == 10
+
+
+def test_plan_can_keep_the_global_batch_for_another_number_of_workers():
+    cfg = config.build({"data": {"train": "d", "batch_size": 32}, "optim": {"base_lr": 0.1}, "run": {"output": "o"}})
+    four = config.make_plan(cfg, world_size=4, num_train=1000)
+    two = config.make_plan(cfg, world_size=2, num_train=1000, global_batch=four.global_batch)
+    assert (two.batch_size, two.global_batch) == (64, 128)
+    assert two.scaled_lr == pytest.approx(four.scaled_lr)
+    # Keeping each worker's batch instead: the global batch and the rate follow the workers.
+    assert config.make_plan(cfg, world_size=2, num_train=1000).scaled_lr == pytest.approx(four.scaled_lr / 2)
+    three = config.make_plan(cfg, world_size=3, num_train=1000, global_batch=128)  # 128 / 3: nearest whole share
+    assert three.batch_size == 43 and three.scaled_lr == pytest.approx(0.1 * 129 / 32)
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("", (0, 0.0)),
+        ("500", (500, 0.0)),
+        ("90s", (0, 90.0)),
+        ("15m", (0, 900.0)),
+        ("2h", (0, 7200.0)),
+        ("1.5m", (0, 90.0)),
+    ],
+)
+def test_checkpoint_every_takes_steps_or_a_duration(text, parsed):
+    assert config.parse_every(text) == parsed
+
+
+@pytest.mark.parametrize("text", ["0", "15 minutes", "m", "-5s", "10x"])
+def test_checkpoint_every_refuses_anything_else(text):
+    with pytest.raises(UserError, match="`--checkpoint-every` is invalid.*15m"):
+        config.from_sources(parse(["--data", "d", "--output", "o", f"--checkpoint-every={text}"]))
+
+
+def test_elastic_refuses_gradient_accumulation():
+    with pytest.raises(UserError, match="`--grad-accum` is invalid.*elastic job cannot roll back"):
+        config.from_sources(parse(["--data", "d", "--output", "o", "--elastic", "--grad-accum", "2"]))
 
 
 def test_output_inside_data_is_refused(tmp_path):

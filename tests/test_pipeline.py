@@ -6,7 +6,8 @@ from PIL import Image
 
 from hvd_train import compat  # noqa: F401
 from hvd_train.data.folder import ImageSet
-from hvd_train.data.pipeline import eval_dataset, train_dataset
+from hvd_train.data.pipeline import eval_dataset, train_input
+from hvd_train.data.sharding import Segment
 
 N = 23  # not a multiple of any batch used here
 
@@ -26,24 +27,22 @@ def files(tmp_path_factory):
 
 
 def labels_of(ds):
-    return [int(x) for _, labels in ds.as_numpy_iterator() for x in labels]
+    return [int(x) for _, labels, *_ in ds.as_numpy_iterator() for x in labels]
 
 
-def shard(files, rank, size, epochs=2, batch=4, augment="none", seed=1, steps=None, initial_epoch=0):
-    steps = steps or -(-N // (batch * size))
-    return train_dataset(
-        files,
-        list(range(N)),
+def shard(files, rank, size, epochs=2, batch=4, augment="none", seed=1, first_epoch=0, first_step=0):
+    segments = [
+        (Segment.whole(e, N, size, batch, seed=seed), first_step if e == first_epoch else 0)
+        for e in range(first_epoch, epochs)
+    ]
+    return train_input(
+        ImageSet(files, list(range(N)), [str(i) for i in range(N)]),
+        segments,
         rank=rank,
-        size=size,
-        batch_size=batch,
         image_size=8,
         augment=augment,
         preprocess=lambda x: x,
         seed=seed,
-        initial_epoch=initial_epoch,
-        epochs=epochs,
-        steps=steps,
     )
 
 
@@ -62,19 +61,34 @@ def test_every_rank_same_steps_and_every_image_each_epoch(files, size):
         assert sum(union.values()) == padded and max(union.values()) <= -(-padded // N)
 
 
+def test_ids_name_the_images_of_each_batch(files):
+    for images, labels, ids in shard(files, 1, 2, epochs=1).dataset.as_numpy_iterator():
+        assert labels.tolist() == ids.tolist()  # label i is image i here
+        assert [int(round(img[:, -1].mean())) - 200 for img in images] == ids.tolist()  # the pixels say which image
+
+
 def test_order_changes_per_epoch_and_is_reproducible(files):
     first = labels_of(shard(files, 0, 1, epochs=2, batch=N).dataset)
     assert sorted(first[:N]) == sorted(first[N:]) and first[:N] != first[N:]
     assert labels_of(shard(files, 0, 1, epochs=2, batch=N).dataset) == first
-    # A resumed run (initial_epoch=1) sees epoch 1 exactly as an uninterrupted one.
-    resumed = labels_of(shard(files, 0, 1, epochs=2, batch=N, initial_epoch=1).dataset)
+    # A run resumed at epoch 1 sees epoch 1 exactly as an uninterrupted one.
+    resumed = labels_of(shard(files, 0, 1, epochs=2, batch=N, first_epoch=1).dataset)
     assert resumed == first[N:]
+
+
+def test_a_run_resumed_mid_epoch_continues_at_the_same_image_and_augmentation(files):
+    whole = list(shard(files, 1, 2, epochs=2, augment="crop,flip").dataset.as_numpy_iterator())
+    resumed = list(shard(files, 1, 2, epochs=2, augment="crop,flip", first_step=2).dataset.as_numpy_iterator())
+    assert len(resumed) == len(whole) - 2
+    for (xa, ya, ia), (xb, yb, ib) in zip(whole[2:], resumed):
+        assert ia.tolist() == ib.tolist() and ya.tolist() == yb.tolist()
+        np.testing.assert_array_equal(xa, xb)
 
 
 def test_flip_augmentation_flips_some_images_and_none_flips_none(files):
     def bright_side(augment):
         counts = collections.Counter()
-        for images, _ in shard(files, 0, 1, epochs=1, batch=N, augment=augment).dataset:
+        for images, *_ in shard(files, 0, 1, epochs=1, batch=N, augment=augment).dataset:
             for image in images.numpy():
                 counts["right" if image[:, -1].mean() > image[:, 0].mean() else "left"] += 1
         return counts

@@ -11,7 +11,9 @@ from PIL import Image
 
 from hvd_train import compat  # noqa: F401
 from hvd_train.data import shards
-from hvd_train.data.pipeline import eval_dataset, train_shards
+from hvd_train.data.blocks import ShardLayout
+from hvd_train.data.pipeline import eval_dataset, train_input
+from hvd_train.data.sharding import Segment, from_intervals
 from hvd_train.data.storage import S3Options
 from hvd_train.errors import UserError
 
@@ -51,7 +53,7 @@ def packed(folder, tmp_path_factory):
 def ids_of(ds):
     """Image indices (recovered from the pixels) and labels of a dataset of batches."""
     ids, labels = [], []
-    for images, batch_labels in ds.as_numpy_iterator():
+    for images, batch_labels, *_ in ds.as_numpy_iterator():
         ids += [int(round(float(img.mean()) / 2)) for img in images]
         labels += batch_labels.tolist()
     return ids, labels
@@ -80,28 +82,19 @@ def test_shards_are_standard_tfrecords_with_every_image(folder, packed):
     assert all(seen[name] == int(name.split("/")[0][-1]) for name in seen)
 
 
+def shard_input(shard_set, rank, size, batch=4, epochs=2, first_step=0, seed=1):
+    segments = [
+        (Segment.whole(e, len(shard_set), size, batch, seed=seed), first_step if e == 0 else 0) for e in range(epochs)
+    ]
+    return train_input(shard_set, segments, rank=rank, image_size=8, augment="none", preprocess=lambda x: x, seed=seed)
+
+
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_every_rank_runs_the_same_steps_and_sees_every_image(packed, size):
     shard_set = shards.load(str(packed), "--data")
     batch, epochs = 4, 2
     steps = -(-N // (batch * size))
-    per_rank = []
-    for rank in range(size):
-        shard = train_shards(
-            shard_set,
-            rank=rank,
-            size=size,
-            batch_size=batch,
-            image_size=8,
-            augment="none",
-            preprocess=lambda x: x,
-            seed=1,
-            initial_epoch=0,
-            epochs=epochs,
-            steps=steps,
-            shuffle_buffer=0,
-        )
-        per_rank.append(ids_of(shard.dataset))
+    per_rank = [ids_of(shard_input(shard_set, rank, size, batch, epochs).dataset) for rank in range(size)]
     for ids, labels in per_rank:
         assert len(ids) == epochs * steps * batch  # equal steps: no Horovod hang
         assert all(label == i % 3 for i, label in zip(ids, labels))
@@ -113,6 +106,50 @@ def test_every_rank_runs_the_same_steps_and_sees_every_image(packed, size):
     first = [ids[: steps * batch] for ids, _ in per_rank]
     second = [ids[steps * batch :] for ids, _ in per_rank]
     assert first != second, "the order changes from epoch to epoch"
+
+
+def test_records_of_a_rank_are_read_in_few_ranged_reads_and_mixed(packed):
+    shard_set = shards.load(str(packed), "--data")
+    seg = Segment.whole(0, N, 2, 4, seed=1)
+    layout = ShardLayout(shard_set, seed=1, epoch=0, block_bytes=2000, cycle=3)
+    blocks, block_of, within, positions = layout.reads(seg, rank=0)
+    assert len(blocks) < len(positions) / 2, "records come in blocks, not one read each"
+    assert all(b.last - b.first >= 1 for b in blocks)
+    # Consecutive records come from different blocks: the interleave mixes shards.
+    assert sum(block_of[1:] != block_of[:-1]) > len(block_of) / 2
+    shard, index = layout.record(positions)
+    for j, b in enumerate(blocks):
+        mine = block_of == j
+        assert set(shard[mine]) == {b.shard} and sorted(index[mine]) == list(range(b.first, b.last))
+
+
+def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packed):
+    shard_set = shards.load(str(packed), "--data")
+    whole = ids_of(shard_input(shard_set, 1, 2, epochs=1).dataset)[0]
+    later = shard_input(shard_set, 1, 2, epochs=1, first_step=3)
+    assert ids_of(later.dataset)[0] == whole[3 * 4 :]
+    # Only the blocks the rest needs were read.
+    layout = ShardLayout(shard_set, 1, 0)
+    needed = len(set(layout.reads(Segment.whole(0, N, 2, 4, seed=1), 1, 3)[1].tolist()))
+    assert later.reader.stats()["objects"] == needed
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 1, 2)])
+def test_redealing_a_shard_epoch_covers_exactly_the_records_left(packed, sizes):
+    shard_set = shards.load(str(packed), "--data")
+    layout = ShardLayout(shard_set, seed=1, epoch=0)
+    seg = Segment.whole(0, N, sizes[0], 4, seed=1)
+    consumed = set()
+    for new_size in [*sizes[1:], None]:
+        steps = max(1, seg.steps // 2) if new_size is not None else seg.steps
+        for r in range(seg.size):
+            consumed.update(seg.stream(layout, r)[: steps * 4].tolist())
+        left = set(from_intervals(seg.remaining(layout, steps)).tolist())
+        assert left == set(range(N)) - consumed
+        if new_size is None:
+            break
+        seg = seg.follow_on(layout, steps, new_size, 4)
+    assert consumed == set(range(N))
 
 
 def test_evaluation_counts_each_image_once(packed):
@@ -174,19 +211,7 @@ def test_corrupt_shard_is_a_clear_error(packed, tmp_path):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    shard = train_shards(
-        shards.load(str(copy), "--data"),
-        rank=0,
-        size=1,
-        batch_size=4,
-        image_size=8,
-        augment="none",
-        preprocess=lambda x: x,
-        seed=1,
-        initial_epoch=0,
-        epochs=1,
-        steps=12,
-    )
+    shard = shard_input(shards.load(str(copy), "--data"), 0, 1, epochs=1)
     import tensorflow as tf
 
     with pytest.raises(tf.errors.OpError):

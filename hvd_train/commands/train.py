@@ -35,7 +35,11 @@ def run(args: argparse.Namespace) -> int:
 
     from hvd_train import distributed, log, train
 
-    ctx = distributed.init(cfg.horovod.threads_per_rank)
+    try:
+        distributed.check_launch(elastic=cfg.horovod.elastic)
+    except UserError as e:
+        raise UserError(str(e), agreed=True) from None
+    ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
     if cfg.run.log_all_ranks:
         log.setup(ctx.rank, ctx.size, all_ranks=True)
     train.run(cfg, ctx)

@@ -1,199 +1,172 @@
-"""The tf.data input pipeline: shard, read, decode, augment, preprocess, batch.
+"""The tf.data input pipeline: read, decode, augment, preprocess, batch.
 
-Sharding is by index, per epoch:
+Which images a rank trains on, and in which order, is decided in
+``sharding`` (image folders: every ``size``-th image of the epoch's
+permutation) and ``blocks`` (shard sets: contiguous runs of records read in
+blocks): plain numpy plans that depend only on the seed, the epoch and the
+numbers of images, workers and batch. This module turns a rank's plan into
+batches of ``(images, labels, ids)``; ``ids`` name the images (index in the
+folder listing, or record index in a shard set) so a run can account for
+every image it consumed.
 
-1. every rank draws the same permutation of the N training images from
-   ``(seed, epoch)``;
-2. the permutation is extended by wrapping around to ``steps * batch * size``
-   indices, with ``steps >= N / (batch * size)``, so every image is seen at
-   least once an epoch;
-3. rank ``r`` takes every ``size``-th index starting at ``r``.
+Augmentation draws from stateless random ops seeded by ``(seed, epoch, image
+index)``, and every stage keeps its order, so a resumed run sees the same
+images in the same order and augmented the same way as an uninterrupted
+one.
 
-Every rank therefore runs exactly ``steps`` full batches per epoch: Horovod
-allreduces once per step, and a rank with fewer steps would leave the others
-waiting forever. Augmentation draws from stateless random ops seeded by
-``(seed, epoch, image index)``, so a resumed run sees the same images the
-same way as an uninterrupted one.
-
-Evaluation shards without padding (rank ``r`` takes images ``r, r+size, …``)
-and keeps the last partial batch: each held-out image is scored exactly once.
-
-Packed shard sets (``shards.py``) are divided into contiguous record ranges
-instead, read with ranged reads (see ``train_shards``); images in S3 are
-fetched by a bounded thread pool and streamed in (``StreamReader``).
+Evaluation shards without padding (rank ``r`` takes images ``r, r+size, ...``
+of a folder, or one contiguous range of a shard set's records) and keeps the
+last partial batch: each held-out image is scored exactly once. Images in
+S3 are fetched by a bounded thread pool and streamed in (``StreamReader``).
 """
 
 from __future__ import annotations
 
-import collections
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
 from hvd_train.data import shards, storage
+from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet
 from hvd_train.data.images import decode
+from hvd_train.data.sharding import Segment, Strided, epoch_order
 from hvd_train.data.shards import ShardSet
 
 Preprocess = Callable[[tf.Tensor], tf.Tensor]
 
+STRIDED = Strided()
+
 
 @dataclass(frozen=True)
-class TrainShard:
-    """The training input of one rank.
+class TrainInput:
+    """The training input of one rank for the rest of a run.
 
     Attributes:
-        dataset: batches of ``(images, labels)`` for epochs ``initial_epoch`` ... ``epochs - 1``.
-        steps_per_epoch: batches per epoch, the same on every rank.
+        dataset: batches of ``(images, labels, ids)``; epoch after epoch,
+            ``steps`` batches of each segment of ``segments``.
+        segments: ``(segment, first step)`` in the order the batches come.
         reader: the fetcher of S3 objects or shard blocks (None for local image files).
     """
 
     dataset: tf.data.Dataset
-    steps_per_epoch: int
+    segments: tuple[tuple[Segment, int], ...]
     reader: StreamReader | None = None
 
 
-def train_dataset(
-    paths: list[str],
-    labels: list[int],
+def train_input(
+    data: ImageSet | ShardSet,
+    segments: Iterable[tuple[Segment, int]],
     *,
     rank: int,
-    size: int,
-    batch_size: int,
     image_size: int,
     augment: str,
     preprocess: Preprocess,
     seed: int,
-    initial_epoch: int,
-    epochs: int,
-    steps: int,
     threads: int = 0,
     s3: storage.S3Options | None = None,
-) -> TrainShard:
-    """Builds rank ``rank``'s training batches (see the module docstring).
+) -> TrainInput:
+    """Rank ``rank``'s batches for ``segments`` (each from its first step on).
 
-    ``s3://`` images are fetched by a bounded pool of threads, in the order
-    the index stream asks for them, and fed to tf.data without touching disk.
+    Every segment must have the same per-worker batch: it is the batch of
+    the dataset.
 
     Args:
-        steps: batches per epoch; ``steps * batch_size * size`` must be at
-            least ``len(paths)`` (``config.make_plan`` computes it).
-        s3: how to reach S3, for ``s3://`` paths.
+        data: the training images (a folder listing) or a packed shard set.
+        segments: ``(segment, start step)`` pairs: the rest of the current
+            epoch, then whole epochs.
+        s3: how to reach S3, for ``s3://`` images and shard sets.
     """
-    n = len(paths)
-    padded = steps * batch_size * size
-    paths_t = tf.constant(paths)
-    labels_t = tf.constant(labels, dtype=tf.int32)
+    segments = tuple(segments)
+    batches = {seg.batch for seg, _ in segments}
+    if len(batches) > 1:
+        raise ValueError(f"`segments` must share one batch size. Received: {sorted(batches)}")
+    batch = batches.pop() if batches else 1
     augmenter = _augmenter(augment, image_size, seed)
+    n = len(data)
+    if isinstance(data, ShardSet):
+        reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(data.url))
+        label_map = tf.constant(data.label_map, dtype=tf.int32)
+        ds = _shard_records(data, segments, rank, seed, reader)
 
-    def epoch_order(epoch):
-        perm = tf.random.experimental.stateless_shuffle(
-            tf.range(n, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
-        )
-        # Horovod: pad by wrapping around so every rank gets `steps` full batches.
-        perm = tf.tile(perm, [math.ceil(padded / n)])[:padded]
-        return perm[rank::size]
+        def load(record, index, epoch):
+            contents, label = shards.parse(record)
+            return preprocess(augmenter(decode(contents), epoch * n + index)), tf.gather(label_map, label), index
 
-    def load(index, epoch, contents):
-        return preprocess(augmenter(decode(contents), epoch * n + index)), labels_t[index]
+    else:
+        reader, ds = _folder_files(data, segments, rank, seed, s3)
+        labels_t = tf.constant(data.labels, dtype=tf.int32)
 
-    reader = None
-    if paths and storage.is_s3(paths[0]):
+        def load(index, epoch, contents):
+            return preprocess(augmenter(decode(contents), epoch * n + index)), labels_t[index], index
+
+    # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
+    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return TrainInput(_with_threads(ds, threads), segments, reader)
+
+
+def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
+    """``(index, epoch, encoded image)`` in the order of the plan, and the S3 reader (or None)."""
+    n = len(data)
+
+    def ids_per_segment():
+        for seg, start in segments:
+            order = epoch_order(n, seed, seg.epoch)
+            yield order[seg.stream(STRIDED, rank, start)], seg.epoch
+
+    if data.paths and storage.is_s3(data.paths[0]):
         reader = StreamReader(s3 or storage.S3Options())
+        paths = data.paths
 
-        def fetch(item):
-            return storage.read_url(paths[item[0]], reader.s3)
-
-        def objects():
-            for epoch in range(initial_epoch, epochs):
-                for index in epoch_order(tf.constant(epoch, tf.int64)).numpy().tolist():
+        def items():
+            for ids, epoch in ids_per_segment():
+                for index in ids.tolist():
                     yield index, epoch
 
         def stream():
-            for (index, epoch), contents in reader.fetcher.stream(objects(), fetch):
+            for (index, epoch), contents in reader.fetcher.stream(
+                items(), lambda item: storage.read_url(paths[item[0]], reader.s3)
+            ):
                 yield index, epoch, contents
 
-        ds = reader.dataset(
-            stream, (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
-        )
-    else:
-
-        def epoch_indices(epoch):
-            mine = epoch_order(epoch)
-            return tf.data.Dataset.from_tensor_slices(mine).map(lambda i: (i, epoch))
-
-        ds = tf.data.Dataset.range(initial_epoch, epochs).flat_map(epoch_indices)
-        ds = ds.map(lambda i, e: (i, e, tf.io.read_file(paths_t[i])), num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
-    ds = ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
-    return TrainShard(_with_threads(ds, threads), steps, reader)
+        signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
+        return reader, reader.dataset(stream, signature)
+    paths_t = tf.constant(data.paths)
+    ds = tf.data.Dataset.from_generator(
+        ids_per_segment, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.int64))
+    )
+    ds = ds.flat_map(lambda ids, epoch: tf.data.Dataset.from_tensor_slices(ids).map(lambda i: (i, epoch)))
+    ds = ds.map(lambda i, e: (i, e, tf.io.read_file(paths_t[i])), num_parallel_calls=tf.data.AUTOTUNE)
+    return None, ds
 
 
-def train_shards(
-    shard_set: ShardSet,
-    *,
-    rank: int,
-    size: int,
-    batch_size: int,
-    image_size: int,
-    augment: str,
-    preprocess: Preprocess,
-    seed: int,
-    initial_epoch: int,
-    epochs: int,
-    steps: int,
-    threads: int = 0,
-    s3: storage.S3Options | None = None,
-    shuffle_buffer: int = 1024,
-) -> TrainShard:
-    """Builds rank ``rank``'s training batches from a packed shard set.
+def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: StreamReader) -> tf.data.Dataset:
+    """``(record, record index, epoch)`` in the order of the plan (see ``blocks``)."""
 
-    Every epoch the shard order is shuffled with ``(seed, epoch)`` and the
-    records, taken in that order and wrapped around to ``steps * batch_size *
-    size``, are cut into ``size`` equal contiguous ranges: rank ``r`` reads
-    range ``r`` with ranged reads, so every rank runs exactly ``steps`` steps
-    and every image is read at least once an epoch. A range is split into
-    blocks of records; blocks are fetched in parallel, read interleaved
-    ``CYCLE`` at a time, and records pass a shuffle buffer.
-    """
-    n = len(shard_set)
-    per_rank = steps * batch_size
-    reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(shard_set.url))
-    label_map = tf.constant(shard_set.label_map, dtype=tf.int32)
-    augmenter = _augmenter(augment, image_size, seed)
-    starts = shard_set.starts
+    def plans():
+        for seg, start in segments:
+            layout = ShardLayout(shard_set, seed, seg.epoch)
+            blocks, block_of, within, positions = layout.reads(seg, rank, start)
+            yield blocks, block_of, within, (layout.global_index(positions), seg.epoch)
 
-    def blocks(epoch: int) -> list[Block]:
-        order = np.random.default_rng([seed, epoch, 1]).permutation(len(shard_set.shards))
-        first = rank * per_rank
-        mine = _ranges(shard_set, order, first % n, per_rank)
-        out = [b for shard, lo, hi in mine for b in _split(shard_set, shard, lo, hi)]
-        return [out[i] for i in np.random.default_rng([seed, epoch, 2, rank]).permutation(len(out))]
-
-    def stream():
-        def items():
-            for epoch in range(initial_epoch, epochs):
-                for block in blocks(epoch):
-                    yield epoch, block
-
-        fetched = reader.fetcher.stream(items(), lambda item: reader.read_block(shard_set, item[1]))
-        yield from _interleave(fetched, starts)
+    def stream(chunk: int = 64):
+        records, index, epochs = [], [], []
+        fetched = stream_records(plans(), lambda block: reader.read_block(shard_set, block), reader.fetcher)
+        for record, k, (ids, epoch) in fetched:
+            records.append(record)
+            index.append(ids[k])
+            epochs.append(epoch)
+            if len(records) == chunk:
+                yield np.asarray(records, dtype=object), np.asarray(index, np.int64), np.asarray(epochs, np.int64)
+                records, index, epochs = [], [], []
+        if records:
+            yield np.asarray(records, dtype=object), np.asarray(index, np.int64), np.asarray(epochs, np.int64)
 
     spec = (tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64))
-    ds = reader.dataset(stream, spec).unbatch()
-    if shuffle_buffer > 1:
-        ds = ds.shuffle(shuffle_buffer, seed=seed + rank)
-
-    def load(record, index, epoch):
-        contents, label = shards.parse(record)
-        return preprocess(augmenter(decode(contents), epoch * n + index)), tf.gather(label_map, label)
-
-    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
-    ds = ds.batch(batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
-    return TrainShard(_with_threads(ds, threads), steps, reader)
+    return reader.dataset(stream, spec).unbatch()
 
 
 def _augmenter(augment: str, image_size: int, seed: int):
@@ -213,91 +186,6 @@ def _augmenter(augment: str, image_size: int, seed: int):
         return image
 
     return apply
-
-
-@dataclass(frozen=True)
-class Block:
-    """Records ``first`` ... ``last - 1`` of shard ``shard``: one ranged read."""
-
-    shard: int
-    first: int
-    last: int
-
-
-BLOCK_BYTES = 4 << 20  # a ranged read: large enough for S3 throughput, small enough to mix
-CYCLE = 4  # blocks read interleaved
-
-
-def _ranges(shard_set: ShardSet, order, begin: int, count: int) -> list[tuple[int, int, int]]:
-    """``(shard, first, last)`` runs covering ``count`` records from position
-    ``begin`` of the records concatenated in shard ``order``, wrapping around."""
-    out = []
-    lengths = [shard_set.shards[s].images for s in order]
-    # Find the shard where position `begin` falls.
-    pos, k = 0, 0
-    while pos + lengths[k] <= begin:
-        pos += lengths[k]
-        k += 1
-    offset = begin - pos
-    while count > 0:
-        s = int(order[k % len(order)])
-        take = min(shard_set.shards[s].images - offset, count)
-        out.append((s, offset, offset + take))
-        count -= take
-        offset = 0
-        k += 1
-    return out
-
-
-def _split(shard_set: ShardSet, shard: int, first: int, last: int) -> list[Block]:
-    """Records ``first`` ... ``last - 1`` of a shard as blocks of about ``BLOCK_BYTES``."""
-    offsets = shard_set.shards[shard].offsets
-    out = []
-    while first < last:
-        end = first + 1
-        while end < last and offsets[end] - offsets[first] < BLOCK_BYTES:
-            end += 1
-        out.append(Block(shard, first, end))
-        first = end
-    return out
-
-
-def _interleave(fetched, starts, cycle: int = CYCLE):
-    """Round-robin over ``cycle`` fetched blocks at a time, in chunks.
-
-    Args:
-        fetched: ``((epoch, block), records)`` in fetch order.
-        starts: global index of each shard's first record.
-
-    Yields:
-        ``(records, global indices, epochs)`` arrays.
-    """
-    active: collections.deque = collections.deque()
-
-    def chunk_of(item, records):
-        (epoch, block) = item
-        first = int(starts[block.shard]) + block.first
-        return records, np.arange(first, first + len(records), dtype=np.int64), np.full(len(records), epoch, np.int64)
-
-    for item, records in fetched:
-        active.append(chunk_of(item, records))
-        if len(active) < cycle:
-            continue
-        yield from _round_robin(active)
-    while active:
-        yield from _round_robin(active)
-
-
-def _round_robin(active: collections.deque, piece: int = 16):
-    """Takes ``piece`` records from each active block in turn until one runs out."""
-    while active:
-        for _ in range(len(active)):
-            records, index, epoch = active.popleft()
-            yield np.asarray(records[:piece], dtype=object), index[:piece], epoch[:piece]
-            if len(records) > piece:
-                active.append((records[piece:], index[piece:], epoch[piece:]))
-            else:
-                return
 
 
 class StreamReader:
@@ -372,10 +260,7 @@ def eval_dataset(
 
     if isinstance(data, ShardSet):
         reader = StreamReader(s3, local=not storage.is_s3(data.url))
-        bounds = np.linspace(0, len(data), size + 1).astype(np.int64)
-        order = np.arange(len(data.shards))
-        mine = _ranges(data, order, int(bounds[rank]), int(bounds[rank + 1] - bounds[rank]))
-        blocks = [b for shard, lo, hi in mine if hi > lo for b in _split(data, shard, lo, hi)]
+        blocks = eval_blocks(data, rank, size)
         label_map = tf.constant(data.label_map, dtype=tf.int32)
 
         def stream():

@@ -1,0 +1,496 @@
+"""The training loop of one rank: steps, agreed stops, checkpoints, commits, epoch ends.
+
+``Loop.run`` is re-entrant: everything it needs to go on is in the
+``TrainState`` and the variables of the ``Net``, so an elastic job that rolled
+back to a commit, or a run resumed from a checkpoint, calls it again and it
+continues where the state says: the rest of the current epoch (consumed
+images skipped), then whole epochs.
+
+At every optimizer-update boundary the ranks run one small allreduce that
+tells them whether any rank was asked to stop (a signal) and whether rank
+0's clock says a checkpoint is due; all ranks therefore stop, checkpoint and
+commit after the same step. At the end of every epoch: metrics averaged over
+ranks, BatchNorm statistics averaged, every held-out image scored once,
+rank 0 writes metrics.csv, TensorBoard and the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_train import checkpoints, distributed
+from hvd_train.classifier import Net
+from hvd_train.config import Plan, TrainConfig, make_plan, parse_every
+from hvd_train.data.blocks import ShardLayout
+from hvd_train.data.folder import ImageSet
+from hvd_train.data.pipeline import STRIDED, eval_dataset, input_failure, train_input
+from hvd_train.data.sharding import Layout, Segment
+from hvd_train.data.shards import ShardSet
+from hvd_train.distributed import Context
+from hvd_train.errors import UserError
+from hvd_train.evaluation import EvalResult, evaluate
+from hvd_train.log import get_logger
+from hvd_train.models import get_spec
+from hvd_train.preemption import Preempted, StopRequests
+from hvd_train.reporting import Reporters
+from hvd_train.schedules import WarmupSchedule
+from hvd_train.state import TrainState
+
+log = get_logger("train")
+
+# Beyond this many workers a checkpoint keeps the mean of the per-rank values
+# (BatchNorm statistics, metric sums) instead of one row per rank.
+MAX_LOCAL_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a run trains on: the same on every rank (an elastic job gives it to new workers).
+
+    Attributes:
+        cfg: the configuration.
+        train: the training images or shard set.
+        val: the held-out images or shard set, if any.
+        image_size: side of the model input.
+    """
+
+    cfg: TrainConfig
+    train: ImageSet | ShardSet
+    val: ImageSet | ShardSet | None
+    image_size: int
+
+    @property
+    def classes(self) -> list[str]:
+        return self.train.classes
+
+    def plan(self, world_size: int, state: TrainState | None = None) -> Plan:
+        """Batch, steps and learning rate for ``world_size`` workers.
+
+        With ``--elastic-batch keep-global-batch`` and a ``state`` to keep it
+        from, each worker's batch is the share of the state's global batch.
+        """
+        keep = state is not None and self.cfg.horovod.elastic_batch == "keep-global-batch"
+        return make_plan(self.cfg, world_size, len(self.train), state.global_batch if keep else None)
+
+    def layout(self, epoch: int) -> Layout:
+        """How epoch ``epoch`` is dealt to ranks."""
+        if isinstance(self.train, ShardSet):
+            return ShardLayout(self.train, self.cfg.run.seed, epoch)
+        return STRIDED
+
+
+def fresh_state(job: Job, plan: Plan) -> TrainState:
+    return TrainState(
+        seed=job.cfg.run.seed,
+        world_size=plan.world_size,
+        batch_size=plan.batch_size,
+        global_batch=plan.global_batch,
+        total=len(job.train),
+        accum=job.cfg.horovod.grad_accum,
+    )
+
+
+@dataclass
+class History:
+    """What the run measured, epoch by epoch (kept across elastic resets).
+
+    Attributes:
+        epochs: the logs of each finished epoch, by epoch (0-based).
+        last_eval: the latest held-out evaluation.
+        world_sizes: the number of workers each time training (re)started.
+        resets: elastic resets: workers before and after, steps and images
+            redone, seconds from the failure to training again.
+        checkpoint_seconds: time spent writing checkpoints (not in throughput).
+        resumed_from: the checkpoint the run started from, if any.
+        input_stats: this rank's storage reader counters, if it used one.
+    """
+
+    epochs: dict[int, dict] = field(default_factory=dict)
+    last_eval: EvalResult | None = None
+    world_sizes: list[int] = field(default_factory=list)
+    resets: list[dict] = field(default_factory=list)
+    checkpoint_seconds: float = 0.0
+    resumed_from: str | None = None
+    input_stats: dict | None = None
+
+    def rates(self) -> list[float]:
+        return [
+            float(self.epochs[e]["images_per_sec"]) for e in sorted(self.epochs) if "images_per_sec" in self.epochs[e]
+        ]
+
+
+class Loop:
+    """Trains ``net`` from ``state`` to the last epoch (see the module docstring).
+
+    Args:
+        job: what to train on.
+        ctx: this rank's place in the job (updated in place by an elastic reset).
+        net: the model, optimizer and compiled step.
+        state: where the run stands; advanced in place.
+        stop: the signals received.
+        history: measurements so far.
+        commit: an elastic job's commit (save in memory, then check for new
+            or lost hosts); None otherwise.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        ctx: Context,
+        net: Net,
+        state: TrainState,
+        stop: StopRequests,
+        history: History,
+        commit=None,
+    ):
+        self.job = job
+        self.cfg = job.cfg
+        self.ctx = ctx
+        self.net = net
+        self.state = state
+        self.stop = stop
+        self.history = history
+        self.commit = commit
+        self.spec = get_spec(self.cfg.model.name)
+        self.threads = distributed.cpu_threads(ctx, self.cfg.horovod.threads_per_rank)
+        self.every_steps, self.every_seconds = parse_every(self.cfg.run.checkpoint_every)
+        self.reader = None
+        self.reporters: Reporters | None = None
+        self._last_checkpoint = (state.step, time.monotonic())
+        self._since_commit = 0
+        self._sample_log = None
+
+    # --- the run ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Trains until every epoch is done.
+
+        Raises:
+            Preempted: on every rank, after an agreed stop and its checkpoint.
+            UserError: bad data met during training, or a checkpoint that cannot be written.
+        """
+        plan = self.configure()
+        self.history.world_sizes.append(self.ctx.size)
+        while self.state.epoch < self.cfg.run.epochs:
+            if self.state.epoch_done:
+                self._end_epoch(steps=0, seconds=0.0)
+            else:
+                self._train(plan)
+
+    def configure(self) -> Plan:
+        """Fits the state to the current workers: batch, learning rate, what is left of the epoch."""
+        ctx, state = self.ctx, self.state
+        plan = self.job.plan(ctx.size, state)
+        if (state.world_size, state.batch_size) != (plan.world_size, plan.batch_size):
+            before = state.world_size, state.batch_size
+            state.resize(self.job.layout(state.epoch), plan.world_size, plan.batch_size, plan.global_batch)
+            log.info(
+                "%d worker(s) x batch %d now (was %d x %d): the rest of epoch %d (%d images) is dealt anew",
+                plan.world_size,
+                plan.batch_size,
+                *before,
+                state.epoch + 1,
+                state.segment().pending_count,
+            )
+        state.global_batch = plan.global_batch
+        self.schedule = WarmupSchedule(
+            initial_lr=self.cfg.optim.base_lr,
+            peak_lr=plan.scaled_lr,
+            warmup_epochs=self.cfg.optim.warmup_epochs,
+            total_epochs=self.cfg.run.epochs,
+            decay=self.cfg.optim.lr_schedule,
+            drop_factor=self.cfg.optim.lr_drop_factor,
+            drop_period_epochs=self.cfg.optim.lr_drop_period,
+        )
+        self.net.set_rank(ctx.rank)
+        self._last_checkpoint = (state.step, time.monotonic())
+        self._since_commit = 0
+        if ctx.is_root:
+            # Horovod: only rank 0 writes files and prints progress (rank 0 may be
+            # another process than before an elastic reset).
+            self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard)
+            self.reporters.truncate(state.epoch)
+        else:
+            self.reporters = None
+        return plan
+
+    def _train(self, plan: Plan) -> None:
+        state, cfg = self.state, self.cfg
+        segments = [(state.segment(), state.segment_steps)]
+        segments += [
+            (Segment.whole(e, state.total, plan.world_size, plan.batch_size, state.accum, state.seed), 0)
+            for e in range(state.epoch + 1, cfg.run.epochs)
+        ]
+        data = train_input(
+            self.job.train,
+            segments,
+            rank=self.ctx.rank,
+            image_size=self.job.image_size,
+            augment=cfg.data.augment,
+            preprocess=self.spec.preprocess_input(),
+            seed=cfg.run.seed,
+            threads=self.threads,
+            s3=cfg.data.s3_options(),
+        )
+        self.reader = data.reader
+        iterator = iter(data.dataset)
+        with _input_errors(self.ctx.rank):
+            for segment, first in data.segments:
+                steps, seconds = self._run_epoch_steps(segment, first, iterator)
+                self._end_epoch(steps, seconds)
+        if self.reader is not None:
+            self.history.input_stats = self.reader.stats()
+
+    def _run_epoch_steps(self, segment: Segment, first: int, iterator) -> tuple[int, float]:
+        """Runs the steps of ``segment`` from ``first`` on; returns the steps run and their seconds."""
+        state = self.state
+        reporters = self.reporters
+        if reporters:
+            reporters.progress.begin(state.epoch, segment.steps, first)
+        wait_before = self.reader.stats()["wait_seconds"] if self.reader else 0.0
+        self._wait_before = wait_before
+        seconds = 0.0
+        logs = {}
+        for _ in range(first, segment.steps):
+            started = time.perf_counter()
+            self.net.set_learning_rate(self.schedule(state.epoch_progress))
+            logs, ids = self.net.step(iterator)
+            state.advance()
+            if self.history.resets and "seconds" not in self.history.resets[-1]:
+                self._training_again()
+            if self.cfg.run.sample_log:
+                self._log_samples(ids)
+            at_update = state.segment_steps % state.accum == 0
+            if at_update:
+                due = self._agree_on_stop_and_checkpoint()
+            seconds += time.perf_counter() - started
+            if reporters:
+                reporters.progress.step(state.segment_steps, logs)
+            if at_update:
+                self._checkpoint_or_commit(due)
+        return segment.steps - first, seconds
+
+    def _training_again(self) -> None:
+        reset = self.history.resets[-1]
+        reset["seconds"] = round(time.time() - reset.get("since", time.time()), 3)
+        log.info(
+            "elastic: training again on %d worker(s), %.1f s after the change; %d step(s) (%d images) redone",
+            self.ctx.size,
+            reset["seconds"],
+            reset.get("lost_steps", 0),
+            reset.get("lost_images", 0),
+        )
+
+    # --- step boundaries -----------------------------------------------------------
+
+    def _agree_on_stop_and_checkpoint(self) -> bool:
+        """One allreduce: did any rank get a stop signal; is a timed checkpoint due (rank 0's clock)?"""
+        timed = (
+            self.ctx.is_root
+            and self.every_seconds > 0
+            and time.monotonic() - self._last_checkpoint[1] >= self.every_seconds
+        )
+        # Horovod: all ranks take the same decision after the same step.
+        stop, due = self.ctx.allreduce_sum(np.array([self.stop.requested, timed], np.float64), name="boundary")
+        if stop:
+            self._stop()
+        steps = self.every_steps and self.state.step - self._last_checkpoint[0] >= self.every_steps
+        return bool(due or steps)
+
+    def _checkpoint_or_commit(self, due: bool) -> None:
+        if self.state.epoch_done:
+            return  # the end of the epoch checkpoints and commits
+        if due:
+            self.save_checkpoint()
+        if self.commit is not None:
+            self._since_commit += 1
+            if self._since_commit >= self.cfg.horovod.commit_every:
+                self._commit()
+
+    def _commit(self) -> None:
+        self._since_commit = 0
+        self.commit()
+
+    def _stop(self) -> None:
+        state = self.state
+        path = self.save_checkpoint()
+        by = f"{self.stop.name}" if self.stop.requested else "a signal to another rank"
+        raise Preempted(
+            f"stopped by {by} in epoch {state.epoch + 1}/{self.cfg.run.epochs} after step {state.epoch_steps} "
+            f"({state.samples} of {state.total} images of the epoch); checkpoint {path}; "
+            f"rerun the same command to continue."
+        )
+
+    # --- checkpoints ------------------------------------------------------------
+
+    def save_checkpoint(self) -> str:
+        """Rank 0 writes a checkpoint of the current state; every rank takes part and gets its path.
+
+        Raises:
+            UserError: on every rank, when the checkpoint cannot be written.
+        """
+        started = time.perf_counter()
+        state, ctx = self.state, self.ctx
+        # Horovod: the values that differ between ranks go into the checkpoint too.
+        rows = ctx.allgather_object(self.net.read_local().astype(np.float32), name="local_values")
+        local = np.stack(rows) if ctx.size <= MAX_LOCAL_ROWS else np.mean(rows, axis=0, keepdims=True)
+        info = {
+            "model": self.spec.name,
+            "world_size": ctx.size,
+            "global_batch": state.global_batch,
+            "metrics": self.history.epochs.get(state.epoch - 1, {}),
+        }
+
+        def write() -> str:
+            return checkpoints.save(
+                self.cfg.run.output,
+                checkpoints.name_for(state),
+                self.net.model,
+                self.net.optimizer,
+                state,
+                {"rows": local},
+                info,
+                self.cfg.run.keep_checkpoints,
+            )
+
+        path = ctx.on_root(write, name="checkpoint")
+        self._last_checkpoint = (state.step, time.monotonic())
+        seconds = time.perf_counter() - started
+        self.history.checkpoint_seconds += seconds
+        log.info("checkpoint %s (%.2f s)", path, seconds)
+        return path
+
+    # --- epoch end --------------------------------------------------------------
+
+    def _end_epoch(self, steps: int, seconds: float) -> None:
+        ctx, state, net = self.ctx, self.state, self.net
+        epoch = state.epoch
+        logs = self._averaged_metrics()
+        logs["lr"] = float(net.optimizer.learning_rate.numpy())
+        images = steps * state.batch_size * ctx.size
+        logs["epoch_seconds"] = seconds
+        logs["images_per_sec"] = images / seconds if seconds > 0 else None
+        if self.reader is not None:
+            self._report_input_wait(epoch, logs)
+        # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
+        distributed.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
+        if self.job.val is not None:
+            result = self.evaluate(f"val.{epoch}")
+            logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
+        self.history.epochs[epoch] = logs
+        reporters = self.reporters
+        if reporters:
+            if steps:
+                reporters.progress.end(steps, logs)
+            reporters.epoch_end(epoch, logs)
+        state.next_epoch()
+        net.reset_metrics()
+        self.save_checkpoint()
+        if self.commit is not None:
+            self._commit()
+
+    def _averaged_metrics(self) -> dict:
+        mine = self.net.metric_results()
+        names = sorted(mine)
+        # Horovod: the epoch's loss and accuracy averaged over ranks.
+        total = self.ctx.allreduce_sum(np.array([mine[k] for k in names], np.float64), name="metrics")
+        return {k: float(v) / self.ctx.size for k, v in zip(names, total)}
+
+    def _report_input_wait(self, epoch: int, logs: dict) -> None:
+        waited = self.reader.stats()["wait_seconds"] - self._wait_before
+        worst = max(self.ctx.allgather_object(waited, name=f"wait.{epoch}"))
+        logs["input_wait_seconds"] = worst
+        seconds = float(logs.get("epoch_seconds") or 0.0)
+        if self.ctx.is_root:
+            log.info(
+                "epoch %d: input waited %.2f s on storage (slowest rank; %.0f%% of the epoch's %.1f s)",
+                epoch + 1,
+                worst,
+                100.0 * worst / seconds if seconds else 0.0,
+                seconds,
+            )
+
+    def evaluate(self, name: str) -> EvalResult:
+        """Scores every held-out image once (all ranks take part)."""
+        cfg = self.cfg
+        dataset = eval_dataset(
+            self.job.val,
+            rank=self.ctx.rank,
+            size=self.ctx.size,
+            batch_size=self.state.batch_size,
+            image_size=self.job.image_size,
+            crop_fraction=cfg.data.crop_fraction,
+            preprocess=self.spec.preprocess_input(),
+            threads=self.threads,
+            s3=cfg.data.s3_options(),
+        )
+        with _input_errors(self.ctx.rank):
+            result = evaluate(self.net.model, dataset, len(self.job.classes), self.ctx, name=name)
+        self.history.last_eval = result
+        return result
+
+    # --- auditing -----------------------------------------------------------------
+
+    def _log_samples(self, ids) -> None:
+        if self._sample_log is None:
+            os.makedirs(self.cfg.run.sample_log, exist_ok=True)
+            path = os.path.join(
+                self.cfg.run.sample_log, f"rank-{os.environ.get('HOROVOD_RANK', '0')}-{os.getpid()}.jsonl"
+            )
+            self._sample_log = open(path, "a", encoding="utf-8")
+        state = self.state
+        record = {
+            "epoch": state.epoch,
+            "step": state.epoch_steps,
+            "rank": self.ctx.rank,
+            "size": self.ctx.size,
+            "ids": np.asarray(ids).tolist(),
+        }
+        self._sample_log.write(json.dumps(record) + "\n")
+        self._sample_log.flush()
+
+
+class _input_errors:
+    """Turns an input pipeline failure into a UserError naming the cause (this rank only knows it)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or not isinstance(e, tf.errors.OpError):
+            return False
+        if distributed.is_horovod_failure(e):
+            return False  # a lost worker: the elastic wrapper handles it
+        failure = input_failure()
+        if failure is not None:
+            # S3 gave up after its retries, or a shard is corrupt.
+            if isinstance(failure, UserError):
+                raise UserError(f"rank {self.rank}: {failure}") from None
+            raise failure from None
+        if not isinstance(
+            e, (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError)
+        ):
+            return False
+        # Images were checked at the start; failing now means one changed during the run.
+        reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
+        raise UserError(
+            f"rank {self.rank} could not read its input during training ({reason}); "
+            f"was an image deleted or changed while training? Fix the data and rerun (the run resumes)."
+        ) from None
+
+
+def median_rate(history: History) -> tuple[float | None, float | None]:
+    """Median images/s over the epochs after the first, and the first epoch's."""
+    rates = [r for r in history.rates() if r]
+    steady = rates[1:] if len(rates) > 1 else rates
+    return (statistics.median(steady) if steady else None), (rates[0] if rates else None)

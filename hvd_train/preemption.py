@@ -1,0 +1,67 @@
+"""Stopping on a signal without losing work: SIGTERM, SIGINT, SIGUSR1.
+
+Schedulers end jobs with a signal and a grace period: Kubernetes and SLURM
+send SIGTERM (SLURM can send SIGUSR1 earlier, ``--signal``), AWS gives a
+spot instance two minutes' notice, a user presses Ctrl-C. ``horovodrun``
+passes SIGTERM/SIGINT on to its workers and kills them 5 s later; ``mpirun``
+passes SIGTERM on after ``odls_base_sigkill_timeout`` seconds (default 1)
+and kills after as long again, and passes SIGUSR1/SIGUSR2 on at once.
+
+A handler only notes the signal. At every step boundary the ranks agree,
+with one small allreduce, whether any of them was signalled (a signal may
+reach one rank, or the launcher, or all of them); if so, all stop after the
+same step, rank 0 writes a checkpoint, and every rank ends with
+``EXIT_PREEMPTED`` and one line saying where it stopped and how to go on.
+A second signal of the same kind ends the process at once.
+"""
+
+from __future__ import annotations
+
+import signal
+
+# EX_TEMPFAIL (sysexits.h): a temporary failure; rerunning the same command continues the run.
+EXIT_PREEMPTED = 75
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Preempted(Exception):
+    """Every rank stopped on a signal after writing a checkpoint; the message says where."""
+
+    exit_code = EXIT_PREEMPTED
+
+
+class StopRequests:
+    """Notes stop signals; the training loop asks ``requested`` at every step boundary."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequests:
+        """Replaces the handlers of ``STOP_SIGNALS`` (main thread only)."""
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal == signum:
+            # Asked twice: stop now, the way the signal would have.
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        if self.signal is None:
+            self.signal = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""

@@ -1,0 +1,137 @@
+"""What rank 0 writes and prints after every epoch: metrics.csv, TensorBoard, progress.
+
+Every writer is idempotent per epoch: writing epoch ``e`` again (after a
+resume, or after an elastic job rolled back) replaces its row instead of
+adding one.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import time
+
+from hvd_train.log import get_logger
+
+log = get_logger("train")
+
+METRIC_COLUMNS = (
+    "epoch",
+    "loss",
+    "accuracy",
+    "val_loss",
+    "val_accuracy",
+    "val_top5",
+    "lr",
+    "images_per_sec",
+    "epoch_seconds",
+)
+
+
+class MetricsCSV:
+    """``metrics.csv``: one row per epoch, rewritten whole so a row is never half there."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def rows(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+
+    def write(self, epoch: int, logs: dict) -> None:
+        """Writes the row of ``epoch`` (1-based) and drops rows of later epochs."""
+        rows = [r for r in self.rows() if r.get("epoch", "").isdigit() and int(r["epoch"]) < epoch]
+        row = {"epoch": epoch}
+        for key in METRIC_COLUMNS[1:]:
+            value = logs.get(key)
+            row[key] = "" if value is None else f"{float(value):.6g}"
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            writer.writeheader()
+            writer.writerows([*rows, row])
+        os.replace(tmp, self.path)
+
+
+class TensorBoard:
+    """Epoch scalars under ``tensorboard/train`` and ``tensorboard/validation``."""
+
+    def __init__(self, folder: str):
+        import tensorflow as tf
+
+        self._train = tf.summary.create_file_writer(os.path.join(folder, "train"))
+        self._val = tf.summary.create_file_writer(os.path.join(folder, "validation"))
+
+    def write(self, epoch: int, logs: dict) -> None:
+        import tensorflow as tf
+
+        for writer, prefix in ((self._train, ""), (self._val, "val_")):
+            with writer.as_default(step=epoch):
+                for key, value in logs.items():
+                    if value is None or not isinstance(value, int | float):
+                        continue
+                    if prefix and key.startswith(prefix):
+                        tf.summary.scalar(f"epoch_{key[len(prefix) :]}", value)
+                    elif not prefix and not key.startswith("val_"):
+                        tf.summary.scalar(f"epoch_{key}", value)
+            writer.flush()
+
+
+class Progress:
+    """``Epoch e/E`` and a progress bar (a terminal) or one line per epoch (a log file)."""
+
+    def __init__(self, epochs: int):
+        self.epochs = epochs
+        self.interactive = sys.stdout.isatty()
+        self._bar = None
+        self._started = 0.0
+
+    def begin(self, epoch: int, steps: int, first_step: int) -> None:
+        print(f"Epoch {epoch + 1}/{self.epochs}", flush=True)
+        self._started = time.perf_counter()
+        if self.interactive:
+            from hvd_train.compat import keras
+
+            self._bar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy"])
+            if first_step:
+                self._bar.update(first_step)
+
+    def step(self, done: int, logs: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(done, [(k, float(v)) for k, v in logs.items()])
+
+    def end(self, steps: int, logs: dict) -> None:
+        self._bar = None
+        shown = " - ".join(
+            f"{k}: {v:.4f}" for k, v in logs.items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")
+        )
+        print(f"{steps}/{steps} - {time.perf_counter() - self._started:.0f}s - {shown}", flush=True)
+
+
+class Reporters:
+    """Rank 0's writers of one run."""
+
+    def __init__(self, output: str, epochs: int, tensorboard: bool):
+        self.csv = MetricsCSV(os.path.join(output, "metrics.csv"))
+        self.tensorboard = TensorBoard(os.path.join(output, "tensorboard")) if tensorboard else None
+        self.progress = Progress(epochs)
+
+    def epoch_end(self, epoch: int, logs: dict) -> None:
+        """Writes epoch ``epoch`` (0-based) everywhere."""
+        self.csv.write(epoch + 1, logs)
+        if self.tensorboard is not None:
+            self.tensorboard.write(epoch + 1, logs)
+
+    def truncate(self, epochs_done: int) -> None:
+        """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back)."""
+        rows = [r for r in self.csv.rows() if r.get("epoch", "").isdigit() and int(r["epoch"]) <= epochs_done]
+        if len(rows) != len(self.csv.rows()) or not os.path.isfile(self.csv.path):
+            tmp = f"{self.csv.path}.tmp"
+            with open(tmp, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(tmp, self.csv.path)
