@@ -47,6 +47,8 @@ RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-ins
 # hadolint ignore=DL3006
 FROM runtime-${VARIANT} AS runtime
 COPY --from=build /opt/hvd_train /opt/hvd_train
+# The launch scripts (mpirun.sh passes preemption signals on; discovery scripts for elastic jobs).
+COPY launch/ /opt/hvd_train/launch/
 # sshd for multi-node launches (launch/docker.sh worker, the MPI Operator):
 # runs as hvd on port 12345 with a host key made at build time.
 RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \

@@ -11,7 +11,6 @@ rank and exits with 75 (``preemption.EXIT_PREEMPTED``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from hvd_train import __version__, log
@@ -32,20 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launcher_rank() -> tuple[int, int]:
-    """Rank and size from the launcher's environment, before Horovod starts."""
-    for rank_var, size_var in (
-        ("HOROVOD_RANK", "HOROVOD_SIZE"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMI_RANK", "PMI_SIZE"),
-    ):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    return 0, 1
-
-
 def main(argv: list[str] | None = None) -> int:
-    rank, size = launcher_rank()
+    rank, size = log.launcher_rank()
     log.setup(rank, size)
     args = build_parser().parse_args(argv)
     logger = log.get_logger()

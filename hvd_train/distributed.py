@@ -20,6 +20,9 @@ from hvd_train.errors import UserError
 
 T = TypeVar("T")
 
+# Seconds a rank of an elastic job waits on a silent peer before it counts as lost.
+ELASTIC_GLOO_TIMEOUT = 10
+
 # Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
@@ -175,6 +178,12 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
 
     if deterministic:
         tf.config.experimental.enable_op_determinism()
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        # Horovod: a rank whose peer in a collective stopped taking part (it
+        # noticed a lost worker first) waits this long before it notices too;
+        # Gloo's default is 30 s. Every collective cycles in milliseconds, so
+        # only a worker that is really gone is waited for this long.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(ELASTIC_GLOO_TIMEOUT))
     import horovod.tensorflow as hvd
 
     if launched_by_mpi():

@@ -8,6 +8,7 @@ errors, prefixed with ``[rank i/n]`` so a user can tell who said what. With
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 LOGGER_NAME = "hvd_train"
@@ -35,3 +36,19 @@ def setup(rank: int = 0, size: int = 1, all_ranks: bool = False, level: int = lo
     logger.addHandler(handler)
     logger.setLevel(level if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False
+
+
+def launcher_rank() -> tuple[int, int]:
+    """Rank and size from the launcher's environment, before Horovod starts.
+
+    In an elastic job this is the rank the process started with; Horovod may
+    give it another one later.
+    """
+    for rank_var, size_var in (
+        ("HOROVOD_RANK", "HOROVOD_SIZE"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ):
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    return 0, 1

@@ -36,7 +36,7 @@ from hvd_train.data.shards import ShardSet
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult, evaluate
-from hvd_train.log import get_logger
+from hvd_train.log import get_logger, launcher_rank
 from hvd_train.models import get_spec
 from hvd_train.preemption import Preempted, StopRequests
 from hvd_train.reporting import Reporters
@@ -441,10 +441,9 @@ class Loop:
     def _log_samples(self, ids) -> None:
         if self._sample_log is None:
             os.makedirs(self.cfg.run.sample_log, exist_ok=True)
-            path = os.path.join(
-                self.cfg.run.sample_log, f"rank-{os.environ.get('HOROVOD_RANK', '0')}-{os.getpid()}.jsonl"
-            )
-            self._sample_log = open(path, "a", encoding="utf-8")
+            # Named by the rank the launcher gave (it stays with the process) and the pid.
+            name = f"rank-{launcher_rank()[0]}-{os.getpid()}.jsonl"
+            self._sample_log = open(os.path.join(self.cfg.run.sample_log, name), "a", encoding="utf-8")
         state = self.state
         record = {
             "epoch": state.epoch,

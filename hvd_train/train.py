@@ -278,6 +278,8 @@ class ElasticTraining(distributed.ElasticSession):
         )
 
     def restore(self) -> None:
+        self._lost_at = time.time()
+        log.warning("elastic: a collective failed (a worker was lost); rolling back to the last commit")
         if self._saved is None:  # lost a worker while setting up: set up again
             self.job = self.net = self.state = None
             return
@@ -293,7 +295,7 @@ class ElasticTraining(distributed.ElasticSession):
         )
 
     def on_lost(self) -> None:
-        self._lost_at = time.time()
+        self._lost_at = self._lost_at or time.time()
         log.warning(
             "elastic: the workers changed; waiting for the new set (at least --min-np, up to the elastic timeout)"
         )

@@ -20,6 +20,29 @@ run_or_print() {
   exec "$@"
 }
 
+# Prints the command like run_or_print, then runs it as a child that gets
+# SIGUSR1 when this script gets SIGTERM, SIGINT or SIGUSR1, and exits with its
+# status. For mpirun: it passes SIGUSR1 on to every rank at once (each rank
+# checkpoints and exits with 75, which mpirun returns), while a SIGTERM reaches
+# the ranks only after odls_base_sigkill_timeout seconds (default 1) and is
+# followed by SIGKILL as long after: too short to save a checkpoint.
+run_forwarding_stop() {
+  local quoted child status
+  quoted=$(printf '%q ' "$@")
+  printf '+ %s\n' "${quoted% }" >&2
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    return 0
+  fi
+  "$@" &
+  child=$!
+  trap 'kill -USR1 "$child" 2>/dev/null || true' TERM INT USR1
+  while :; do
+    if wait "$child"; then status=0; else status=$?; fi
+    kill -0 "$child" 2>/dev/null || break # a trapped signal interrupted wait; the child still runs
+  done
+  exit "$status"
+}
+
 # Prints the comment block at the top of the calling script (its --help).
 usage() {
   sed -n '2,/^set -euo/p' "$1" | sed '$d; s/^# \{0,1\}//'

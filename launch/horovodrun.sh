@@ -13,6 +13,17 @@
 #   --dry-run                  print the command and exit
 #   -h, --help                 this text
 #
+# Elastic training (Gloo only; give `train --elastic` to hvd-train):
+#   --min-np N                 keep training while at least N workers are left
+#   --max-np M                 use up to M workers when more hosts appear
+#   --host-discovery-script S  prints the usable hosts, one "host:slots" a
+#                              line (launch/discover-hosts.sh reads a hostfile,
+#                              launch/discover-slurm.sh a SLURM allocation)
+#   --elastic-timeout SECONDS  how long to wait for --min-np workers (default 600)
+#   --blacklist-cooldown-range LO HI
+#                              a failed host may come back after LO..HI seconds
+#                              (default: never)
+#
 # horovodrun passes the whole environment (AWS_*, HOROVOD_*, NCCL_*, TF_*,
 # PYTHONPATH, ...) to every worker itself; hosts other than this one must
 # accept ssh without a password. HVD_TRAIN selects the program
@@ -22,14 +33,22 @@
 #   launch/horovodrun.sh --np 4 -- train --data /data/flowers --output runs/flowers
 #   launch/horovodrun.sh --np 16 -H gpu1:8,gpu2:8 --network-interface eth0 -- \
 #       train --data s3://bucket/flowers/ --output /shared/runs/flowers
+#   launch/horovodrun.sh --np 16 --min-np 8 --max-np 32 --network-interface eth0 \
+#       --host-discovery-script "launch/discover-hosts.sh /shared/hosts" -- \
+#       train --elastic --data s3://bucket/flowers/ --output /shared/runs/flowers
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/_common.sh
 source "$here/_common.sh"
 
 np=1 hosts="" hostfile="" iface="" controller=--gloo ssh_port=""
+elastic=()
 while (($#)); do
   case "$1" in
+    --min-np | --max-np | --host-discovery-script | --elastic-timeout)
+      elastic+=("$1" "${2:?$1 needs a value}"); shift 2 ;;
+    --blacklist-cooldown-range)
+      elastic+=("$1" "${2:?$1 needs LO HI}" "${3:?$1 needs LO HI}"); shift 3 ;;
     -n | --np) np=${2:?--np needs a number}; shift 2 ;;
     -H | --hosts) hosts=${2:?--hosts needs H1:N,H2:N}; shift 2 ;;
     --hostfile) hostfile=${2:?--hostfile needs a file}; shift 2 ;;
@@ -49,7 +68,14 @@ if [[ ",$iface," == *,lo,* && ( -n "$hostfile" || "$hosts" == *,* ) ]]; then
   die "--network-interface lo: workers on other hosts cannot reach each other over loopback"
 fi
 
-cmd=(horovodrun -np "$np" "$controller")
+if ((${#elastic[@]})); then
+  [[ "$controller" == --gloo ]] || die "elastic training needs the Gloo controller; drop --mpi"
+  [[ " ${elastic[*]} " == *" --host-discovery-script "* ]] || die "elastic training needs --host-discovery-script"
+  [[ -z "$hosts$hostfile" ]] || die "elastic training takes its hosts from --host-discovery-script, not --hosts/--hostfile"
+  [[ " $* " == *" --elastic "* ]] || die "give hvd-train --elastic too (e.g. -- train --elastic ...) when launching elastically"
+fi
+
+cmd=(horovodrun -np "$np" "$controller" "${elastic[@]}")
 [[ -n "$hosts" ]] && cmd+=(-H "$hosts")
 [[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")
 [[ -n "$iface" ]] && cmd+=(--network-interface "$iface")

@@ -19,6 +19,12 @@
 # need: AWS_*, HOROVOD_*, NCCL_*, TF_*, PYTHONPATH, PATH, LD_LIBRARY_PATH.
 # HVD_TRAIN selects the program (default: hvd-train on PATH).
 #
+# Preemption: SIGTERM, SIGINT or SIGUSR1 to this script reaches every rank at
+# once as SIGUSR1: the ranks stop after the same step, rank 0 writes a
+# checkpoint, and this script exits with 75 (rerun the same command to
+# continue). Plain mpirun would pass SIGTERM on only after 1 s and SIGKILL
+# the ranks 1 s later.
+#
 # Example:
 #   launch/mpirun.sh --np 16 --hostfile hosts --network-interface eth0 -- \
 #       train --data s3://bucket/flowers/ --output /shared/runs/flowers
@@ -66,4 +72,4 @@ while read -r name; do
   cmd+=(-x "$name")
 done < <(forwarded_names)
 cmd+=("${extra[@]}")
-run_or_print "${cmd[@]}" "${HVD_TRAIN:-hvd-train}" "$@"
+run_forwarding_stop "${cmd[@]}" "${HVD_TRAIN:-hvd-train}" "$@"

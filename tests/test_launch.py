@@ -68,10 +68,15 @@ def test_mpijob_manifest_is_a_valid_v2beta1_mpijob():
     specs = job["spec"]["mpiReplicaSpecs"]
     launcher = specs["Launcher"]["template"]["spec"]["containers"][0]
     worker = specs["Worker"]["template"]["spec"]["containers"][0]
-    assert launcher["command"] == ["mpirun"] and "hvd-train" in launcher["args"]
+    assert launcher["command"] == ["/opt/hvd_train/launch/mpirun.sh"] and "train" in launcher["args"]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == job["spec"]["slotsPerWorker"]
     # 16 = workers x slots
-    assert launcher["args"][launcher["args"].index("-np") + 1] == str(specs["Worker"]["replicas"] * 8)
+    assert launcher["args"][launcher["args"].index("--np") + 1] == str(specs["Worker"]["replicas"] * 8)
+    # Preemption: time to checkpoint, and the workers' SIGTERM reaches the ranks as SIGUSR1.
+    for spec in specs.values():
+        assert spec["template"]["spec"]["terminationGracePeriodSeconds"] >= 60
+    assert "trap" in worker["args"][0] and "pkill -USR1" in worker["args"][0]
+    assert specs["Launcher"]["restartPolicy"] == "OnFailure"
     # Credentials come from a Secret, never inline.
     assert all(e["name"] != "AWS_SECRET_ACCESS_KEY" for e in launcher.get("env", []))
 

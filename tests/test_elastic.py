@@ -1,0 +1,202 @@
+"""Elastic training with real horovodrun processes, killed for real (CPU).
+
+As Horovod's own tests do it on one machine: two names for this host
+(``localhost`` and ``127.0.0.1``) play two hosts, the discovery script
+(launch/discover-hosts.sh) reads a hostfile the test rewrites, and every
+worker records its pid and the images of each step (``--sample-log``).
+"""
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hvd_train.schedules import WarmupSchedule
+
+from conftest import BIN, TINY, kill_group, output_of, read_json, start
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_IMAGES = 90  # demo_small: 23 x 5 images, 20% held out
+
+
+def launch(hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeout=30, cooldown=None):
+    command = [
+        "bash",
+        REPO / "launch/horovodrun.sh",
+        "--np",
+        str(np_),
+        "--min-np",
+        str(min_np),
+        "--max-np",
+        str(max_np),
+        "--host-discovery-script",
+        f"bash {REPO / 'launch/discover-hosts.sh'} {hostfile}",
+        "--elastic-timeout",
+        str(timeout),
+        "--network-interface",
+        "lo",
+        *(["--blacklist-cooldown-range", *map(str, cooldown)] if cooldown else []),
+        "--",
+        "train",
+        "--elastic",
+        "--commit-every",
+        "2",
+        *TINY,
+        "--epochs",
+        str(epochs),
+        "--val-split",
+        "0.2",
+        "--output",
+        out,
+        "--sample-log",
+        samples,
+        *extra,
+    ]
+    return start(command, HVD_TRAIN=str(BIN / "hvd-train"))
+
+
+def records(samples):
+    """Every step of every process, with its launch rank and pid."""
+    out = []
+    for path in Path(samples).glob("rank-*.jsonl"):
+        _, launch_rank, pid = path.stem.split("-")
+        for line in path.read_text().splitlines():
+            out.append({**json.loads(line), "launch_rank": int(launch_rank), "pid": int(pid)})
+    return out
+
+
+def wait_until(proc, condition, what, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the job ended before {what}\n{finish(proc)}"
+        assert time.time() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def finish(proc, timeout=400):
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the job did not end within {timeout} s\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def pids(samples):
+    return [int(path.stem.split("-")[2]) for path in Path(samples).glob("rank-*.jsonl")]
+
+
+def host_of(pid):
+    """The host name horovodrun started a worker for (the discovery script's order decides the ranks)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"HOROVOD_HOSTNAME="))
+
+
+def rank_of(pid):
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e.split(b"=", 1)[1] for e in environ if e.startswith(b"HOROVOD_RANK=")))
+
+
+def check_every_epoch_complete(out, samples, epochs):
+    """metrics.csv has every epoch; every image was trained on in every epoch; held-out images counted once."""
+    summary = read_json(out / "summary.json")
+    rows = (out / "metrics.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in rows] == [str(e) for e in range(1, epochs + 1)]
+    steps = records(samples)
+    for epoch in range(epochs):
+        seen = {i for r in steps if r["epoch"] == epoch for i in r["ids"]}
+        assert seen == set(range(TRAIN_IMAGES)), f"epoch {epoch + 1} skipped {TRAIN_IMAGES - len(seen)} image(s)"
+    assert summary["val_images"] == 25
+    return summary
+
+
+def test_a_lost_worker_is_rolled_back_and_the_survivors_go_on(demo_small, tmp_path):
+    hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
+    hostfile.write_text("localhost:2\n127.0.0.1:1\n")
+    proc = launch(
+        hostfile, samples, out, 3, 2, 3, "--data", demo_small, "--elastic-batch", "keep-global-batch", epochs=5
+    )
+    # Kill the worker on 127.0.0.1 (the host with one slot) in the middle of epoch 3.
+    wait_until(proc, lambda: any(r["epoch"] == 2 and r["step"] >= 2 for r in records(samples)), "epoch 3")
+    [victim] = [pid for pid in pids(samples) if host_of(pid) == "127.0.0.1"]
+    subprocess.run(["kill", "-KILL", str(victim)], check=True)
+    killed_at = time.time()
+    proc = finish(proc)
+    assert proc.returncode == 0, output_of(proc)
+    summary = check_every_epoch_complete(out, samples, 5)
+    assert summary["world_size"] == 2 and summary["weights_identical_across_ranks"] is True
+    [reset] = summary["elastic_resets"]
+    assert (reset["from"], reset["to"]) == (3, 2) and reset["lost_steps"] <= 2
+    assert reset["since"] - killed_at < 15 and reset["seconds"] < 30
+    assert "elastic: training again on 2 worker(s)" in proc.stderr
+    # keep-global-batch: 3 x 8 before, 2 x 12 after, and the learning rate follows the images seen without a jump.
+    assert (summary["global_batch"], summary["batch_size"]) == (24, 12)
+    schedule = WarmupSchedule(0.01, 0.03, warmup_epochs=2, total_epochs=5, decay="cosine")
+    for row in (out / "metrics.csv").read_text().splitlines()[1:]:
+        epoch, lr = int(row.split(",")[0]), float(row.split(",")[6])
+        ends = schedule(epoch - 24 / TRAIN_IMAGES), schedule(epoch)  # the rate of the epoch's last step
+        assert min(ends) - 1e-6 <= lr <= max(ends) + 1e-6, (epoch, lr, ends)
+    # After the loss, the rest of epoch 3 was dealt to the two survivors.
+    after = [r for r in records(samples) if r["epoch"] == 2 and r["size"] == 2]
+    assert {r["rank"] for r in after} == {0, 1}
+
+
+def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
+    hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
+    hostfile.write_text("localhost:1\n")
+    proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, epochs=8)
+    wait_until(proc, lambda: len(records(samples)) >= 15, "step 15")
+    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    proc = finish(proc)
+    assert proc.returncode == 0, output_of(proc)
+    summary = check_every_epoch_complete(out, samples, 8)
+    assert summary["world_sizes"][0] == 1 and summary["world_size"] == 2
+    # The new worker started from the state it received: both ranks end with the same weights.
+    assert summary["weights_identical_across_ranks"] is True
+    first = {r["pid"] for r in records(samples) if r["epoch"] == 0}
+    joined = [r for r in records(samples) if r["pid"] not in first]
+    assert len(first) == 1 and joined, "one worker started, another joined"
+    assert min(r["epoch"] for r in joined) >= 1, "the new worker joined mid-run, not from the start"
+
+
+def test_losing_rank_0_moves_every_output_to_the_new_rank_0(demo_small, tmp_path):
+    hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
+    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    proc = launch(hostfile, samples, out, 2, 1, 2, "--data", demo_small, epochs=5)
+    wait_until(proc, lambda: any(r["epoch"] == 1 and r["step"] >= 3 for r in records(samples)), "epoch 2")
+    [rank0] = [pid for pid in pids(samples) if rank_of(pid) == 0]
+    [other] = [pid for pid in pids(samples) if pid != rank0]
+    prefix = f"[{rank_of(other)}]<stderr>:"  # horovodrun names a worker's lines by the rank it started with
+    subprocess.run(["kill", "-KILL", str(rank0)], check=True)
+    proc = finish(proc)
+    assert proc.returncode == 0, output_of(proc)
+    summary = check_every_epoch_complete(out, samples, 5)
+    assert summary["world_size"] == 1 and (out / "model.keras").is_file()
+    # The process started as rank 1 finished as rank 0 and wrote the outputs.
+    assert re.search(re.escape(prefix) + r".*held-out accuracy", proc.stderr), output_of(proc)
+    assert all(r["rank"] == 0 for r in records(samples) if r["pid"] == other and r["size"] == 1)
+    assert (out / "checkpoints" / "epoch-0005").is_dir()
+
+
+def test_fewer_workers_than_min_np_fails_clearly_within_the_elastic_timeout(demo_small, tmp_path):
+    hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
+    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    proc = launch(hostfile, samples, out, 2, 2, 2, "--data", demo_small, epochs=30, timeout=10)
+    wait_until(proc, lambda: len(records(samples)) >= 8, "step 8")
+    subprocess.run(["kill", "-KILL", str(pids(samples)[0])], check=True)
+    t0 = time.time()
+    proc = finish(proc, timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - t0 < 10 + 30, "it must fail soon after the elastic timeout"
+    both = proc.stdout + proc.stderr
+    assert "elastic: the workers changed; waiting for the new set (at least --min-np" in both, output_of(proc)
+    assert "Timed out waiting for" in both and "at least 2 Horovod processes" in both, output_of(proc)
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert left == [], "no process of the job is left"

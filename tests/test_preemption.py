@@ -1,0 +1,241 @@
+"""Stops that lose nothing, with real launchers and real signals (CPU, 2 ranks).
+
+* SIGTERM to horovodrun, to mpirun (through launch/mpirun.sh and plain) and to
+  one worker: every rank stops after the same step, rank 0 writes a
+  checkpoint there, every rank exits with 75 and one line, and a rerun of the
+  same command continues at that step; with --deterministic the final weights
+  are bit-identical to an uninterrupted run, and the images trained on are the
+  same, in the same order.
+* SIGKILL of a worker: the job ends within 10 s, no process is left, and the
+  rerun loses at most --checkpoint-every steps.
+* SIGKILL during a checkpoint write: the next run uses the previous checkpoint.
+"""
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, HVD_TRAIN, TINY, kill_group, launcher_command, output_of, read_json, run, start
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parent.parent
+EXIT_PREEMPTED = 75
+
+
+def options(data, out, samples, *extra):
+    return [
+        *HVD_TRAIN,
+        "train",
+        "--data",
+        data,
+        "--output",
+        out,
+        *TINY,
+        "--epochs",
+        "3",
+        "--val-split",
+        "0.2",
+        "--deterministic",
+        "--sample-log",
+        samples,
+        *extra,
+    ]
+
+
+def sample_lines(folder):
+    """Every step's record, by the process's launch rank: {rank: [record, ...]} in order."""
+    out = {}
+    for path in sorted(Path(folder).glob("rank-*.jsonl")):
+        rank = int(path.name.split("-")[1])
+        out.setdefault(rank, []).extend(json.loads(line) for line in path.read_text().splitlines())
+    return out
+
+
+def pid_of(folder, rank):
+    [path] = Path(folder).glob(f"rank-{rank}-*.jsonl")
+    return int(path.stem.split("-")[2])
+
+
+def wait_for_steps(proc, folder, steps, rank=0, timeout=300):
+    deadline = time.time() + timeout
+    while True:
+        lines = sample_lines(folder).get(rank, [])
+        if len(lines) >= steps:
+            return lines[-1]
+        assert proc.poll() is None, f"the job ended before step {steps}\n{finish(proc)}"
+        assert time.time() < deadline, f"no step {steps} after {timeout} s"
+        time.sleep(0.02)
+
+
+def finish(proc, timeout=180):
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the job did not end within {timeout} s\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(demo_small, tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight")
+    proc = run([*launcher_command("horovodrun-gloo", 2), *options(demo_small, root / "run", root / "samples")])
+    assert proc.returncode == 0, output_of(proc)
+    return read_json(root / "run" / "summary.json")["weights_digest"], sample_lines(root / "samples")
+
+
+def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, rerun, launch_exit=None):
+    """The job stopped after one step on every rank with a checkpoint; the rerun ends bit-identical."""
+    both = proc.stdout + proc.stderr
+    if launch_exit is not None:
+        assert proc.returncode == launch_exit, output_of(proc)
+    lines = [line for line in both.splitlines() if "stopped by" in line]
+    assert len(lines) == 2, output_of(proc)  # one line per rank
+    match = re.search(r"after step (\d+) .* checkpoint (\S+); rerun the same command to continue", lines[0])
+    assert match and all(match.group(0) in line for line in lines), output_of(proc)
+    step, checkpoint = int(match.group(1)), match.group(2)
+    assert step >= stopped_at["step"] and Path(checkpoint).name == f"epoch-{stopped_at['epoch']:04d}-step-{step:06d}"
+    assert Path(checkpoint).is_dir()
+    # No traceback from a rank (horovodrun prints its own RuntimeError for the non-zero exits; mpirun does not).
+    assert "<stderr>:Traceback" not in both and "<stdout>:Traceback" not in both, output_of(proc)
+    if "horovodrun" not in str(proc.args[0]):
+        assert "Traceback" not in both, output_of(proc)
+    before = sample_lines(samples)
+    again = rerun()
+    assert again.returncode == 0, output_of(again)
+    assert f"resuming from {checkpoint}" in again.stderr
+    assert read_json(out / "summary.json")["weights_digest"] == uninterrupted[0], "not bit-identical"
+    # Same images in the same order: what ran before the stop, then what the rerun ran.
+    after = sample_lines(samples)
+    for rank, records in uninterrupted[1].items():
+        assert len(before[rank]) < len(records)
+        assert [r["ids"] for r in after[rank]] == [r["ids"] for r in records], f"rank {rank} saw other images"
+    return step
+
+
+def test_sigterm_to_horovodrun_stops_with_a_checkpoint_and_the_rerun_is_bit_identical(
+    demo_small, tmp_path, uninterrupted
+):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = [*launcher_command("horovodrun-gloo", 2), *options(demo_small, out, samples)]
+    proc = start(command)
+    at = wait_for_steps(proc, samples, 8)
+    proc.send_signal(signal.SIGTERM)
+    proc = finish(proc)
+    # horovodrun reports the first rank that ended (then it stops the others, which are ending too).
+    codes = re.findall(r"Process \d exit with status code (\d+)", proc.stdout + proc.stderr)
+    assert codes and set(codes) == {"75"}, output_of(proc)
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
+
+
+def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path, uninterrupted):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = [*launcher_command("horovodrun-gloo", 2), *options(demo_small, out, samples)]
+    proc = start(command)
+    at = wait_for_steps(proc, samples, 10, rank=1)
+    subprocess.run(["kill", "-TERM", str(pid_of(samples, 1))], check=True)
+    proc = finish(proc)
+    assert "stopped by SIGTERM" in proc.stdout + proc.stderr  # rank 1's own line
+    assert "stopped by a signal to another rank" in proc.stdout + proc.stderr  # rank 0's
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
+
+
+def test_sigterm_to_launch_mpirun_script_reaches_the_ranks_at_once(demo_small, tmp_path, uninterrupted):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    # launch/mpirun.sh passes SIGTERM on to the ranks at once (as SIGUSR1) and returns their 75.
+    program = options(demo_small, out, samples)[3:]
+    command = ["bash", REPO / "launch/mpirun.sh", "--np", "2", "--mpirun-arg", "--oversubscribe", "--", *program]
+    env = {"HVD_TRAIN": str(BIN / "hvd-train")}
+    proc = start(command, **env)
+    at = wait_for_steps(proc, samples, 8)
+    proc.send_signal(signal.SIGTERM)
+    proc = finish(proc)
+    rerun = lambda: run(command, **env)  # noqa: E731
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun, launch_exit=EXIT_PREEMPTED)
+
+
+def test_sigterm_to_plain_mpirun_fits_its_one_second_grace(demo_small, tmp_path):
+    # Plain mpirun passes SIGTERM on after 1 s (odls_base_sigkill_timeout) and
+    # SIGKILLs 1 s later: the tiny model stops and saves within that second.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples, "--epochs", "12")]
+    proc = start(command)
+    wait_for_steps(proc, samples, 8)
+    proc.send_signal(signal.SIGTERM)
+    proc = finish(proc)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "stopped by SIGTERM" in line]
+    assert len(lines) == 2, output_of(proc)
+    checkpoint = re.search(r"checkpoint (\S+); rerun", lines[0]).group(1)
+    again = run(command)
+    assert again.returncode == 0 and f"resuming from {checkpoint}" in again.stderr, output_of(again)
+
+
+def processes_of(out):
+    found = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "horovodrun-mpi", "mpirun"])
+def test_sigkill_of_a_worker_ends_the_job_fast_and_the_rerun_loses_little(launcher, demo_small, tmp_path):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = [*launcher_command(launcher, 2), *options(demo_small, out, samples, "--checkpoint-every", "4")]
+    command.remove("--deterministic")
+    proc = start(command)
+    killed = wait_for_steps(proc, samples, 11, rank=1)
+    subprocess.run(["kill", "-KILL", str(pid_of(samples, 1))], check=True)
+    t0 = time.time()
+    proc = finish(proc, timeout=60)
+    seconds = time.time() - t0
+    assert proc.returncode != 0
+    assert seconds < 10, f"the job took {seconds:.1f} s to end after a worker was killed"
+    time.sleep(0.5)
+    assert processes_of(out) == [], "processes of the job are left"
+    again = run(command)
+    assert again.returncode == 0, output_of(again)
+    match = re.search(r"resuming from \S+: (\d+) epoch\(s\) done, .* step (\d+)", again.stderr)
+    assert match, output_of(again)
+    # The killed rank had run `killed["step"]` steps of epoch `killed["epoch"]`; 6 steps an epoch.
+    killed_at = killed["epoch"] * 6 + killed["step"]
+    assert killed_at - int(match.group(2)) <= 4, f"lost {killed_at - int(match.group(2))} steps"
+
+
+def test_a_kill_during_a_checkpoint_write_falls_back_to_the_previous_one(demo_small, tmp_path):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = options(demo_small, out, samples, "--checkpoint-every", "3", "--keep-checkpoints", "5")
+    command.remove("--deterministic")
+    proc = start(command)
+    folder = out / "checkpoints"
+    deadline = time.time() + 300
+    try:
+        # Wait for a complete checkpoint, then kill the process while it writes the next one.
+        while not any(p.name.startswith("epoch-") for p in folder.glob("*")):
+            assert proc.poll() is None and time.time() < deadline, output_of_popen(proc)
+            time.sleep(0.01)
+        while not list(folder.glob(".epoch-*.tmp-*")):
+            assert proc.poll() is None and time.time() < deadline, output_of_popen(proc)
+            time.sleep(0.0005)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+        kill_group(proc)
+    partial = list(folder.glob(".epoch-*.tmp-*"))
+    assert partial, "the kill should have left a partial checkpoint"
+    complete = sorted(p.name for p in folder.glob("epoch-*"))
+    again = run(command)
+    assert again.returncode == 0, output_of(again)
+    assert f"resuming from {folder / complete[-1]}" in again.stderr, output_of(again)
+    assert not any(p.exists() for p in partial), "the partial checkpoint is cleaned up"
+
+
+def output_of_popen(proc):
+    kill_group(proc)
+    stdout, stderr = proc.communicate()
+    return f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
