@@ -14,6 +14,7 @@ demo: install
 	$(BIN)/hvd-train demo
 
 SHELL_SCRIPTS := launch/install.sh launch/_common.sh launch/mpirun.sh launch/horovodrun.sh launch/docker.sh \
+	launch/discover-hosts.sh launch/discover-slurm.sh launch/aws-spot-watch.sh \
 	launch/slurm.sbatch .ci/run tests/launched/netns-agent
 
 test: install

@@ -12,6 +12,10 @@ function of the training state, so that a resumed run continues exactly:
 * the values that differ from rank to rank (BatchNorm moving statistics,
   the running sums of the epoch's metrics) can be read and written as plain
   arrays, for checkpoints.
+
+Every step also sums three flags over the ranks (stop requested, checkpoint
+due, the last step's time) in the step's own Horovod cycles: the ranks agree
+on when to stop without a collective of their own.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class Net:
         self._build_metrics()
         self.seed = seed
         self._rank = tf.Variable(rank, dtype=tf.int64, trainable=False, name="rank")
+        self._flags = tf.Variable(tf.zeros(3), trainable=False, name="boundary_flags")
         self._generators = [
             layer._random_generator._generator
             for layer in self.model.submodules
@@ -99,6 +104,10 @@ class Net:
     def set_learning_rate(self, lr: float) -> None:
         self.optimizer.learning_rate.assign(lr)
 
+    def set_flags(self, stop: bool, checkpoint: bool, step_seconds: float) -> None:
+        """This rank's flags for the next step: asked to stop; a timed checkpoint is due; its last step's time."""
+        self._flags.assign([float(stop), float(checkpoint), float(step_seconds)])
+
     def _train_step(self, iterator):
         images, labels, ids = next(iterator)
         step = tf.cast(self.optimizer.iterations, tf.int64)
@@ -106,17 +115,29 @@ class Net:
         for i, generator in enumerate(self._generators):
             # Dropout masks from (seed, rank, step, layer): the same after a resume.
             generator.reset_from_key_counter(key, tf.stack([step, tf.constant(i, tf.int64)]))
-        return self.model.train_step((images, labels)), ids
+        logs = self.model.train_step((images, labels))
+        # Horovod: every rank's flags, summed in the same cycles as the gradients.
+        agreed = distributed.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
+        return logs, ids, agreed
 
-    def step(self, iterator) -> tuple[dict, tf.Tensor]:
-        """Runs one batch from ``iterator``; returns the metrics so far and the batch's image ids."""
+    def step(self, iterator) -> tuple[dict, tf.Tensor, tf.Tensor]:
+        """Runs one batch from ``iterator``.
+
+        Returns:
+            The epoch's metrics so far, the batch's image ids, and the flags
+            of ``set_flags`` summed over all ranks.
+        """
         return self._step(iterator)
 
     # --- values that differ between ranks --------------------------------------
 
     def local_variables(self) -> list[tf.Variable]:
         """BatchNorm moving statistics and the epoch's metric sums: each rank has its own."""
-        return self.batchnorm_statistics() + [v for m in self.model.metrics for v in m.variables]
+        return self.batchnorm_statistics() + self.metric_variables()
+
+    def metric_variables(self) -> list[tf.Variable]:
+        """The running sums of the epoch's loss and accuracy."""
+        return [v for m in self.model.metrics for v in m.variables]
 
     def batchnorm_statistics(self) -> list[tf.Variable]:
         """Every BatchNorm layer's moving mean and variance."""

@@ -21,7 +21,7 @@ from hvd_train.errors import UserError
 T = TypeVar("T")
 
 # Seconds a rank of an elastic job waits on a silent peer before it counts as lost.
-ELASTIC_GLOO_TIMEOUT = 10
+ELASTIC_GLOO_TIMEOUT = 5
 
 # Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -238,6 +238,13 @@ def broadcast_variables(variables, ctx: Context, root: int = 0) -> None:
     import horovod.tensorflow as hvd
 
     hvd.broadcast_variables(variables, root_rank=root)
+
+
+def allreduce_sum_op(tensor, name: str):
+    """The sum of ``tensor`` over all ranks, as an op for use inside a ``tf.function``."""
+    import horovod.tensorflow as hvd
+
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
 
 
 def average_variables(variables, ctx: Context, name: str) -> None:

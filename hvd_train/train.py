@@ -328,7 +328,9 @@ class ElasticTraining(distributed.ElasticSession):
             self.net = build_net(job, ctx, collective=False)
         self.state = TrainState.from_dict(values)
         self.history = history
-        distributed.broadcast_variables(self.net.variables + self.net.local_variables(), ctx, root=root)
+        # Horovod: weights, optimizer state (BatchNorm statistics among the
+        # weights) and the epoch's metric sums from the source rank.
+        distributed.broadcast_variables(self.net.variables + self.net.metric_variables(), ctx, root=root)
         self.save()
 
 

@@ -19,7 +19,9 @@ file=${1:-${HVD_TRAIN_HOSTFILE:-}}
 [[ -r "$file" ]] || { echo "discover-hosts.sh: cannot read $file" >&2; exit 1; }
 default=${HVD_TRAIN_SLOTS:-1}
 while read -r host rest || [[ -n "$host" ]]; do
-  [[ -z "$host" || "$host" == \#* ]] && continue
+  if [[ -z "$host" || "$host" == \#* ]]; then
+    continue
+  fi
   slots=$default
   if [[ "$host" == *:* ]]; then
     slots=${host##*:}
@@ -29,3 +31,4 @@ while read -r host rest || [[ -n "$host" ]]; do
   fi
   echo "$host:$slots"
 done <"$file"
+exit 0

@@ -23,5 +23,8 @@ while read -r node state; do
   esac
 done < <(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o "%N %T" 2>/dev/null || true)
 while read -r node; do
-  [[ -n "$node" && -z "${bad[$node]:-}" ]] && echo "$node:$slots"
+  if [[ -n "$node" && -z "${bad[$node]:-}" ]]; then
+    echo "$node:$slots"
+  fi
 done < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+exit 0

@@ -39,8 +39,8 @@ log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
 
 # --- 1. system packages -------------------------------------------------------
-# iproute2: `ip`, for the multi-host test's network namespaces.
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2)
+# iproute2: `ip`, for the multi-host test's network namespaces; curl: launch/aws-spot-watch.sh.
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2 curl)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

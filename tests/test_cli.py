@@ -7,7 +7,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import TINY, cli, output_of, read_json, write_images
+from conftest import HVD_TRAIN, TINY, cli, output_of, read_json, run, write_images
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +106,14 @@ def test_unknown_model(tmp_path):
 def test_invalid_option_value(tmp_path):
     proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--val-split", "2"])
     assert_one_line_error(proc, "`--val-split`", "val_split=2.0")
+
+
+def test_elastic_without_an_elastic_launcher_is_refused(tmp_path):
+    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--elastic"])
+    assert_one_line_error(proc, "--elastic needs an elastic launcher", "--host-discovery-script")
+    plain_mpirun = ["mpirun", "-np", "1", "-x", "PATH", *HVD_TRAIN]
+    proc = run([*plain_mpirun, "train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--elastic"], timeout=120)
+    assert_one_line_error(proc, "plain mpirun", "has no elastic mode", "horovodrun --min-np")
 
 
 def test_bad_image_fails_with_fail_policy(tmp_path):

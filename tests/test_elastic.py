@@ -7,6 +7,7 @@ worker records its pid and the images of each step (``--sample-log``).
 """
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -57,7 +58,8 @@ def launch(hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeou
         samples,
         *extra,
     ]
-    return start(command, HVD_TRAIN=str(BIN / "hvd-train"))
+    # launch/horovodrun.sh runs the horovodrun it finds on PATH, as a user's shell would.
+    return start(command, HVD_TRAIN=str(BIN / "hvd-train"), PATH=f"{BIN}:{os.environ['PATH']}")
 
 
 def records(samples):

@@ -1,6 +1,9 @@
 """The launch scripts (dry runs), the Kubernetes manifest, the installer's help, and ``hvd-train doctor``."""
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +57,134 @@ def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
     assert cmd.startswith("mpirun -np 4 --hostfile ") and "btl_tcp_if_include eth2" in cmd
 
 
-@pytest.mark.parametrize("script", ["mpirun.sh", "horovodrun.sh", "docker.sh", "slurm.sbatch", "install.sh"])
+def test_horovodrun_script_elastic_options():
+    cmd = dry(
+        "horovodrun.sh",
+        "--np",
+        "4",
+        "--min-np",
+        "2",
+        "--max-np",
+        "8",
+        "--host-discovery-script",
+        "launch/discover-hosts.sh /shared/hosts",
+        "--elastic-timeout",
+        "120",
+        "--blacklist-cooldown-range",
+        "30",
+        "300",
+        "--",
+        "train",
+        "--elastic",
+        "--data",
+        "x",
+    )
+    assert cmd.startswith(
+        "horovodrun -np 4 --gloo --min-np 2 --max-np 8 --host-discovery-script launch/discover-hosts.sh"
+    )
+    assert "--elastic-timeout 120 --blacklist-cooldown-range 30 300 hvd-train train --elastic --data x" in cmd
+    for bad, message in [
+        (["--min-np", "2", "--", "train", "--elastic"], "needs --host-discovery-script"),
+        (["--min-np", "2", "--host-discovery-script", "s", "--", "train"], "give hvd-train --elastic too"),
+        (["--min-np", "2", "--host-discovery-script", "s", "--mpi", "--", "train", "--elastic"], "needs the Gloo"),
+        (["--min-np", "2", "--host-discovery-script", "s", "-H", "a:1", "--", "train", "--elastic"], "not --hosts"),
+    ]:
+        proc = run(["bash", LAUNCH / "horovodrun.sh", *bad], timeout=60, DRY_RUN="1")
+        assert proc.returncode == 2 and message in proc.stderr, (bad, proc.stderr)
+
+
+def test_discover_hosts_reads_the_hostfile_at_every_call(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# the cluster\ngpu1 slots=8\ngpu2:4\n\ngpu3\n")
+    proc = run(["bash", LAUNCH / "discover-hosts.sh", hosts], timeout=60, HVD_TRAIN_SLOTS="2")
+    assert proc.returncode == 0 and proc.stdout.split() == ["gpu1:8", "gpu2:4", "gpu3:2"], output_of(proc)
+    hosts.write_text("gpu2:4\n")
+    assert run(["bash", LAUNCH / "discover-hosts.sh", hosts], timeout=60).stdout.split() == ["gpu2:4"]
+    proc = run(["bash", LAUNCH / "discover-hosts.sh", tmp_path / "missing"], timeout=60)
+    assert proc.returncode == 1 and "cannot read" in proc.stderr
+
+
+def test_discover_slurm_leaves_out_nodes_slurm_reports_down(tmp_path):
+    # SLURM's own commands, as they answer in an allocation of four nodes, one of them down.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n1\\nn2\\nn3\\nn4\\n'\n")
+    (bin_dir / "sinfo").write_text("#!/bin/sh\nprintf 'n1 allocated\\nn2 down*\\nn3 allocated\\nn4 drained\\n'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_NTASKS_PER_NODE": "8(x4)"}
+    proc = run(["bash", LAUNCH / "discover-slurm.sh"], timeout=60, **env)
+    assert proc.returncode == 0 and proc.stdout.split() == ["n1:8", "n3:8"], output_of(proc)
+    proc = run(["bash", LAUNCH / "discover-slurm.sh"], timeout=60, PATH=env["PATH"], SLURM_JOB_NODELIST="")
+    assert proc.returncode != 0 and "inside a SLURM allocation" in proc.stderr
+
+
+def test_aws_spot_watch_passes_the_interruption_notice_on_as_sigusr1():
+    import http.server
+    import threading
+
+    notice = threading.Event()
+
+    class IMDS(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):  # IMDSv2 token
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"token")
+
+        def do_GET(self):
+            ready = notice.is_set() and self.headers.get("X-aws-ec2-metadata-token") == "token"
+            self.send_response(200 if ready else 404)
+            self.end_headers()
+            if ready:
+                self.wfile.write(b'{"action": "terminate", "time": "2026-11-22T10:00:00Z"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), IMDS)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    waiter = (
+        "import signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *a: sys.exit(75))\ntime.sleep(60)\nsys.exit(1)"
+    )
+    target = subprocess.Popen([sys.executable, "-c", waiter])
+    imds = f"http://127.0.0.1:{server.server_address[1]}"
+    watch = subprocess.Popen(
+        ["bash", LAUNCH / "aws-spot-watch.sh", str(target.pid), "0.2"],
+        env={**os.environ, "HVD_TRAIN_IMDS": imds},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.5)
+        assert target.poll() is None, "no notice yet: nothing sent"
+        notice.set()
+        assert target.wait(timeout=30) == 75
+        assert watch.wait(timeout=30) == 0 and "interruption notice" in watch.stderr.read()
+    finally:
+        target.kill()
+        watch.kill()
+        server.shutdown()
+
+
+def test_slurm_script_asks_for_an_early_signal_and_passes_it_on():
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@300" in text
+    assert "trap 'kill -USR1" in text and "scontrol requeue" in text
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "mpirun.sh",
+        "horovodrun.sh",
+        "docker.sh",
+        "slurm.sbatch",
+        "install.sh",
+        "discover-hosts.sh",
+        "discover-slurm.sh",
+        "aws-spot-watch.sh",
+    ],
+)
 def test_every_script_has_help(script):
     proc = run(["bash", LAUNCH / script, "--help"], timeout=60)
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) > 5, output_of(proc)
