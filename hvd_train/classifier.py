@@ -16,6 +16,13 @@ function of the training state, so that a resumed run continues exactly:
 Every step also sums three flags over the ranks (stop requested, checkpoint
 due, the last step's time) in the step's own Horovod cycles: the ranks agree
 on when to stop without a collective of their own.
+
+Under ``--precision mixed_float16`` the optimizer is
+``LossScaleOptimizer(DistributedOptimizer(...))`` (see ``precision``). With
+``--xla jit`` the forward and backward pass are compiled by XLA and the
+allreduce and the update run outside the compiled function: Horovod's
+allreduce has no XLA kernel on CPUs, and on GPUs only with
+``HOROVOD_ENABLE_XLA_OPS`` (horovod#2590).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import tensorflow as tf
 
 from hvd_train import distributed
 from hvd_train.compat import keras
+from hvd_train.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.config import TrainConfig
 from hvd_train.models import HEAD_LAYER
 
@@ -34,24 +42,55 @@ class Classifier(keras.Model):
 
     With SGD, multiplying a variable's gradient by m is the same as
     multiplying its learning rate by m (MATLAB's WeightLearnRateFactor).
+
+    Attributes:
+        head_lr_mult: factor of the head's gradients.
+        xla_jit: compile the forward and backward pass with XLA, and
+            allreduce the gradients outside the compiled function.
+        fp16_allreduce: compress the gradients to float16 for the allreduce
+            (the ``xla_jit`` path does its own allreduce).
     """
 
     head_lr_mult: float = 1.0
+    xla_jit: bool = False
+    fp16_allreduce: bool = False
 
     def train_step(self, data):
         images, labels = data
-        with tf.GradientTape() as tape:
-            probs = self(images, training=True)
-            loss = self.compute_loss(images, labels, probs)
-        # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients.
-        grads_and_vars = self.optimizer.compute_gradients(loss, self.trainable_variables, tape=tape)
+        variables = self.trainable_variables
+        if self.xla_jit:
+            grads, probs = self._compiled_gradients(images, labels)
+            # Horovod: the allreduce runs outside XLA (no XLA kernel for it).
+            grads = distributed.allreduce_gradients(grads, fp16=self.fp16_allreduce)
+            if is_loss_scaled(self.optimizer):
+                grads = self.optimizer.get_unscaled_gradients(grads)
+            grads_and_vars = list(zip(grads, variables))
+        else:
+            with tf.GradientTape() as tape:
+                probs = self(images, training=True)
+                loss = self.compute_loss(images, labels, probs)
+            # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients
+            # (under a LossScaleOptimizer: scale the loss, allreduce, unscale).
+            grads_and_vars = self.optimizer.compute_gradients(loss, variables, tape=tape)
         if self.head_lr_mult != 1.0:
             head = {v.ref() for v in self.get_layer(HEAD_LAYER).trainable_variables}
             grads_and_vars = [
                 (g * self.head_lr_mult if g is not None and v.ref() in head else g, v) for g, v in grads_and_vars
             ]
+        # A LossScaleOptimizer skips the update (and halves its scale) when a gradient
+        # is not finite: every rank sees the same allreduced gradients, so all skip.
         self.optimizer.apply_gradients(grads_and_vars)
         return self.compute_metrics(images, labels, probs, None)
+
+    @tf.function(jit_compile=True)
+    def _compiled_gradients(self, images, labels):
+        """This rank's gradients (scaled by the loss scale under mixed_float16) and predictions."""
+        with tf.GradientTape() as tape:
+            probs = self(images, training=True)
+            loss = self.compute_loss(images, labels, probs)
+            if is_loss_scaled(self.optimizer):
+                loss = self.optimizer.get_scaled_loss(loss)
+        return tape.gradient(loss, self.trainable_variables), probs
 
 
 def use_step_seeded_dropout() -> None:
@@ -67,16 +106,21 @@ class Net:
     """A rank's model, optimizer and compiled training step.
 
     Args:
-        base: the functional model from ``models.build_model``.
-        cfg: the configuration (optimizer, momentum, Horovod options).
+        base: the functional model from ``models.build_model`` (built under
+            the precision's policy).
+        cfg: the configuration (optimizer, momentum, Horovod options, XLA).
         seed: the run's seed.
         rank: this process's rank (dropout masks differ per rank).
+        precision: the resolved precision (``fp32``, ``mixed_float16``, ``mixed_bfloat16``).
     """
 
-    def __init__(self, base: keras.Model, cfg: TrainConfig, seed: int, rank: int):
+    def __init__(self, base: keras.Model, cfg: TrainConfig, seed: int, rank: int, precision: str = "fp32"):
         self.model = Classifier(base.inputs, base.outputs, name=base.name)
         self.model.head_lr_mult = cfg.optim.head_lr_mult
-        self.optimizer = make_optimizer(cfg)
+        self.model.xla_jit = cfg.compute.xla == "jit"
+        self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
+        self.precision = precision
+        self.optimizer = wrap_optimizer(make_optimizer(cfg), precision)
         self.model.compile(
             optimizer=self.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"]
         )
@@ -95,8 +139,8 @@ class Net:
 
     @property
     def variables(self) -> list[tf.Variable]:
-        """Model and optimizer variables: what rank 0 broadcasts and checkpoints hold."""
-        return list(self.model.variables) + list(self.optimizer.variables)
+        """Model and optimizer variables (the loss scale included): what rank 0 broadcasts and commits hold."""
+        return list(self.model.variables) + list(self.optimizer.variables) + loss_scale_variables(self.optimizer)
 
     def set_rank(self, rank: int) -> None:
         self._rank.assign(rank)

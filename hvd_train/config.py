@@ -40,6 +40,10 @@ OPTIMIZERS = ("sgd", "adam")
 BAD_IMAGE_POLICIES = ("skip", "fail")
 S3_RETRY_MODES = ("standard", "adaptive")
 ELASTIC_BATCH = ("keep-worker-batch", "keep-global-batch")
+AUTOTUNE_LOG = "horovod_autotune.csv"
+TIMELINE = "horovod_timeline.json"
+PRECISIONS = ("auto", "fp32", "mixed_float16", "mixed_bfloat16")
+XLA_MODES = ("off", "auto", "jit")
 
 
 def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
@@ -148,6 +152,24 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class ComputeConfig:
+    """How the model computes.
+
+    Attributes:
+        precision: ``fp32``, ``mixed_float16`` (float16 compute, float32
+            weights, dynamic loss scaling), ``mixed_bfloat16``, or ``auto``:
+            mixed_float16 on GPUs with tensor cores (compute capability 7.0
+            or more), fp32 elsewhere.
+        xla: ``off``; ``auto``: TensorFlow's XLA auto-clustering; ``jit``:
+            the forward and backward pass of the step compiled by XLA, with
+            Horovod's allreduce outside the compiled part.
+    """
+
+    precision: str = _opt("auto", "--precision", "numeric precision of the model", choices=PRECISIONS)
+    xla: str = _opt("off", "--xla", "XLA compilation of the train step", choices=XLA_MODES)
+
+
+@dataclass(frozen=True)
 class HorovodConfig:
     """How the workers cooperate.
 
@@ -163,6 +185,14 @@ class HorovodConfig:
             worker's batch (the global batch and the learning rate follow the
             workers linearly) or keep the global batch (each worker's batch
             changes, the learning rate does not).
+        fusion_threshold_mb: Horovod's tensor fusion buffer in MB (0: Horovod's 128).
+        cycle_time_ms: Horovod's cycle time in ms (0: Horovod's 1).
+        autotune: Horovod autotunes fusion and cycle time; its log goes to
+            ``OUTPUT/horovod_autotune.csv``.
+        timeline: Horovod writes a Chrome trace of its operations to
+            ``OUTPUT/horovod_timeline.json`` (chrome://tracing, Perfetto).
+        hierarchical_allreduce: allreduce within hosts first, then across
+            (NCCL and MPI builds, several hosts).
     """
 
     fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
@@ -173,6 +203,33 @@ class HorovodConfig:
     elastic_batch: str = _opt(
         "keep-worker-batch", "--elastic-batch", "when the number of workers changes", choices=ELASTIC_BATCH
     )
+    fusion_threshold_mb: float = _opt(0.0, "--fusion-threshold-mb", "Horovod tensor fusion buffer, MB (0: Horovod's)")
+    cycle_time_ms: float = _opt(0.0, "--cycle-time-ms", "Horovod cycle time, ms (0: Horovod's)")
+    autotune: bool = _opt(False, "--autotune", "Horovod autotunes fusion and cycle time (log in OUTPUT)")
+    timeline: bool = _opt(
+        False,
+        "--timeline",
+        "Horovod timeline, a Chrome trace in OUTPUT (under horovodrun write --horovod-timeline: "
+        "horovodrun takes --timeline for its own --timeline-filename/--timeline-mark-cycles)",
+        aliases=("--horovod-timeline",),
+    )
+    hierarchical_allreduce: bool = _opt(False, "--hierarchical-allreduce", "allreduce within hosts, then across")
+
+    def environment(self, output: str) -> dict[str, str]:
+        """The Horovod variables these options set; read by ``hvd.init()``."""
+        env = {}
+        if self.fusion_threshold_mb:
+            env["HOROVOD_FUSION_THRESHOLD"] = str(int(self.fusion_threshold_mb * 1024 * 1024))
+        if self.cycle_time_ms:
+            env["HOROVOD_CYCLE_TIME"] = f"{self.cycle_time_ms:g}"
+        if self.autotune:
+            env["HOROVOD_AUTOTUNE"] = "1"
+            env["HOROVOD_AUTOTUNE_LOG"] = os.path.join(os.path.abspath(output), AUTOTUNE_LOG)
+        if self.timeline:
+            env["HOROVOD_TIMELINE"] = os.path.join(os.path.abspath(output), TIMELINE)
+        if self.hierarchical_allreduce:
+            env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        return env
 
 
 @dataclass(frozen=True)
@@ -217,6 +274,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -262,6 +320,22 @@ class TrainConfig:
         _require(h.grad_accum >= 1, "--grad-accum", h.grad_accum, "use a whole number >= 1")
         _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
         _require(h.commit_every >= 1, "--commit-every", h.commit_every, "use a whole number >= 1")
+        _require(h.fusion_threshold_mb >= 0, "--fusion-threshold-mb", h.fusion_threshold_mb, "use 0 or more")
+        _require(h.cycle_time_ms >= 0, "--cycle-time-ms", h.cycle_time_ms, "use 0 or more")
+        c = self.compute
+        _require(
+            not (c.precision == "mixed_float16" and h.grad_accum > 1),
+            "--grad-accum",
+            h.grad_accum,
+            "with --precision mixed_float16 the loss scale may change between the accumulated passes, which "
+            "would mix gradients of different scales; use --precision mixed_bfloat16 or fp32, or drop --grad-accum",
+        )
+        _require(
+            not (c.xla == "jit" and h.grad_accum > 1),
+            "--grad-accum",
+            h.grad_accum,
+            "--xla jit allreduces the gradients of every step outside the compiled part; use --xla auto or off",
+        )
         _require(
             not (h.elastic and h.grad_accum > 1),
             "--grad-accum",
@@ -349,7 +423,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["metavar"] = f.name.upper()
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(f.metadata["flag"], **kwargs)
+            group.add_argument(f.metadata["flag"], *f.metadata.get("aliases", ()), **kwargs)
 
 
 def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None = None) -> TrainConfig:

@@ -212,6 +212,18 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
     return ctx
 
 
+def warn_ineffective(horovod_cfg, ctx: Context) -> None:
+    """Says when a Horovod option cannot act in this job (rank 0)."""
+    import horovod.tensorflow as hvd
+
+    if horovod_cfg.hierarchical_allreduce and ctx.is_root:
+        if not (hvd.nccl_built() and hvd.mpi_enabled()) or ctx.size == ctx.local_size:
+            logging.getLogger("hvd_train").warning(
+                "--hierarchical-allreduce has no effect here: it needs Horovod built with NCCL and MPI, "
+                "an MPI controller, and workers on more than one host"
+            )
+
+
 def cpu_threads(ctx: Context, threads_per_rank: int = 0) -> int:
     """CPU threads this process may use for its input pipeline."""
     return threads_per_rank or max(1, (os.cpu_count() or 1) // ctx.local_size)
@@ -238,6 +250,19 @@ def broadcast_variables(variables, ctx: Context, root: int = 0) -> None:
     import horovod.tensorflow as hvd
 
     hvd.broadcast_variables(variables, root_rank=root)
+
+
+def allreduce_gradients(grads, fp16: bool = False) -> list:
+    """Averages gradients over all ranks, like ``DistributedOptimizer`` does (for use in a ``tf.function``)."""
+    import horovod.tensorflow as hvd
+
+    compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+    present = [(i, g) for i, g in enumerate(grads) if g is not None]
+    averaged = hvd.grouped_allreduce([g for _, g in present], op=hvd.Average, compression=compression)
+    out = list(grads)
+    for (i, _), value in zip(present, averaged):
+        out[i] = value
+    return out
 
 
 def allreduce_sum_op(tensor, name: str):

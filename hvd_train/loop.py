@@ -66,12 +66,14 @@ class Job:
         train: the training images or shard set.
         val: the held-out images or shard set, if any.
         image_size: side of the model input.
+        precision: the numeric precision every rank uses (``--precision`` resolved by rank 0).
     """
 
     cfg: TrainConfig
     train: ImageSet | ShardSet
     val: ImageSet | ShardSet | None
     image_size: int
+    precision: str = "fp32"
 
     @property
     def classes(self) -> list[str]:

@@ -12,6 +12,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+import tensorflow as tf
+
 from hvd_train.compat import keras
 from hvd_train.config import ModelConfig
 from hvd_train.errors import UserError
@@ -70,7 +73,54 @@ class ModelSpec:
     default_size: int
 
     def preprocess_input(self):
-        return importlib.import_module(self.module).preprocess_input
+        """The model's ``preprocess_input``, as a fast equivalent where there is one (see ``fast_preprocess``)."""
+        return fast_preprocess(self.module)
+
+
+_MEAN_BGR = (103.939, 116.779, 123.68)
+_MEAN_RGB, _STD_RGB = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def _caffe(x):
+    # RGB -> BGR with tf.reverse: Keras' x[..., ::-1] is a strided gather, 2-5x slower on CPUs.
+    return tf.reverse(x, axis=[-1]) + tf.constant([-m for m in _MEAN_BGR], x.dtype)
+
+
+def _tf_mode(x):
+    return x / 127.5 - 1.0
+
+
+def _torch(x):
+    return (x / 255.0 + tf.constant([-m for m in _MEAN_RGB], x.dtype)) / tf.constant(_STD_RGB, x.dtype)
+
+
+def _identity(x):
+    return x
+
+
+_FAST = (_identity, _tf_mode, _caffe, _torch)
+_PREPROCESS: dict[str, Callable] = {}
+
+
+def fast_preprocess(module: str) -> Callable:
+    """A keras.applications module's ``preprocess_input``, or a faster function giving the same numbers.
+
+    The modules use one of a few formulas (caffe, tf, torch, none); which one
+    is found by comparing outputs on a probe batch, so a module whose
+    formula is not among them keeps its own function.
+    """
+    if module not in _PREPROCESS:
+        own = importlib.import_module(module).preprocess_input
+        probe = np.random.default_rng(0).uniform(0, 255, (2, 5, 7, 3)).astype("float32")
+        expected = np.asarray(own(tf.constant(probe)))
+        chosen = own
+        for candidate in _FAST:
+            got = np.asarray(candidate(tf.constant(probe)))
+            if got.shape == expected.shape and np.array_equal(got, expected):
+                chosen = candidate
+                break
+        _PREPROCESS[module] = chosen
+    return _PREPROCESS[module]
 
 
 def available_models() -> dict[str, ModelSpec]:

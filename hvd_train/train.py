@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import checkpoints, distributed
+from hvd_train import checkpoints, compute, distributed
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import TrainConfig
@@ -107,10 +107,14 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
     spec = get_spec(cfg.model.name)
-    job = Job(cfg, train_set, val_set, cfg.data.image_size or spec.default_size)
+    # Horovod: one precision for all ranks (rank 0 looks at its GPU for "auto").
+    numerics = ctx.broadcast_object(
+        compute.resolve(cfg.compute.precision, cfg.horovod.grad_accum) if ctx.is_root else None, name="precision"
+    )
+    job = Job(cfg, train_set, val_set, cfg.data.image_size or spec.default_size, numerics)
     bn_mode, bn_momentum = resolve_bn(cfg.model)
     log.info(
-        "%d classes; %d training images, %d held-out; %s at %dx%d (weights %s, BatchNorm %s%s)",
+        "%d classes; %d training images, %d held-out; %s at %dx%d (weights %s, BatchNorm %s%s, %s%s)",
         len(train_set.classes),
         len(train_set),
         len(val_set) if val_set else 0,
@@ -120,6 +124,8 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
         cfg.model.weights,
         bn_mode,
         f", momentum {bn_momentum}" if bn_mode == "train" and bn_momentum else "",
+        numerics,
+        f", XLA {cfg.compute.xla}" if cfg.compute.xla != "off" else "",
     )
     if ctx.is_root:
         _write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
@@ -141,6 +147,7 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
     if cfg.run.deterministic:
         keras.utils.set_random_seed(cfg.run.seed)
     use_step_seeded_dropout()
+    compute.set_policy(job.precision)
 
     def build():
         # Rank 0 alone loads (maybe downloads) the weights; the others get them by
@@ -149,7 +156,7 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
         return build_model(cfg.model, len(job.classes), job.image_size, load_weights=load)
 
     base = ctx.agree(build, name="build_model") if collective else build()
-    return Net(base, cfg, cfg.run.seed, ctx.rank)
+    return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision)
 
 
 # --- 3. state --------------------------------------------------------------------
@@ -349,7 +356,13 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
         log.error("ranks ended with different weights: %s", digests)
     summary = _summary(job, ctx, state, final, history, digests, identical)
     if ctx.is_root:
-        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        if job.precision == "fp32":
+            export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        else:
+            # The saved model computes in float32: inference never meets float16.
+            export = compute.float32_copy(
+                net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+            )
         _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
         _write_json(os.path.join(cfg.run.output, "summary.json"), summary)
         if final is not None:
@@ -389,6 +402,9 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "weights_identical_across_ranks": identical,
         "weights_digest": digests[0],
         "deterministic": cfg.run.deterministic,
+        "precision": job.precision,
+        "xla": cfg.compute.xla,
+        "horovod_environment": {k: os.environ.get(k) for k in sorted(_HOROVOD_TUNING)},
         "resumed_from": history.resumed_from,
         "world_sizes": history.world_sizes,
         "elastic_resets": history.resets,
@@ -396,6 +412,18 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         **_input_stats(ctx, history),
         **distributed.versions(),
     }
+
+
+# The Horovod settings that shape its speed, as the workers saw them.
+_HOROVOD_TUNING = (
+    "HOROVOD_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_LOG",
+    "HOROVOD_TIMELINE",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS",
+)
 
 
 def _input_stats(ctx: Context, history: History) -> dict:

@@ -1,3 +1,4 @@
+import io
 import logging
 
 import numpy as np
@@ -82,3 +83,47 @@ def test_report_policy(caplog):
     with caplog.at_level(logging.WARNING, logger="test_report"):
         report_bad_images(bad, "skip", "--data", logger)
     assert "skipping 2 image(s)" in caplog.text and "/d/b.jpg" in caplog.text
+
+
+def jpeg_bytes(pixels, subsampling=0, progressive=False, mode="RGB"):
+    buf = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(
+        buf, "JPEG", quality=90, subsampling=subsampling, progressive=progressive
+    )
+    return tf.constant(buf.getvalue())
+
+
+@pytest.mark.parametrize(
+    "subsampling, progressive, mode", [(0, False, "RGB"), (2, False, "RGB"), (2, True, "RGB"), (0, False, "L")]
+)
+def test_decoding_only_the_crop_gives_the_pixels_of_a_whole_decode(subsampling, progressive, mode):
+    from hvd_train.data.images import decode_window
+    from hvd_train.data.pipeline import center_window, random_crop_window
+
+    pixels = np.random.default_rng(1).integers(0, 255, (203, 317, 3), np.uint8)
+    data = jpeg_bytes(pixels, subsampling, progressive, mode)
+    for k in range(12):
+        for window in (random_crop_window(tf.constant([k, 3], tf.int64)), center_window(0.875)):
+            fused = decode_window(data, window, fused=True).numpy().astype(int)
+            whole = decode_window(data, window, fused=False).numpy().astype(int)
+            assert fused.shape == whole.shape
+            # 4:2:0 chroma: the crop's first and last columns are upsampled without their outer neighbour.
+            assert np.array_equal(fused[:, 1:-1], whole[:, 1:-1])
+            if subsampling == 0:
+                assert np.array_equal(fused, whole)
+
+
+def test_a_large_crop_is_decoded_at_a_smaller_dct_scale_close_to_the_full_one():
+    from hvd_train.data.images import decode_window
+    from hvd_train.data.pipeline import _resize, center_window
+
+    yy, xx = np.mgrid[0:1200, 0:1600]
+    pixels = np.stack([xx % 256, yy % 256, (xx + yy) % 256], -1).astype(np.uint8)  # smooth ramps
+    data = jpeg_bytes(pixels)
+    window = center_window(1.0)  # 1200 x 1200: decoded at 1/4 for a 224 px input
+    fast = decode_window(data, window, min_side=224)
+    assert fast.shape == (300, 300, 3)
+    small = _resize(fast, 224).numpy()
+    reference = _resize(decode_window(data, window, fused=False), 224).numpy()
+    assert np.abs(small - reference).mean() < 6  # the same picture, sampled differently
+    assert decode_window(data, window, min_side=700).shape == (1200, 1200, 3)  # not twice the side: full scale

@@ -107,3 +107,22 @@ def _no_network(*args, **kwargs):
 def test_input_too_small_for_the_model():
     with pytest.raises(UserError, match="cannot build InceptionV3 at --image-size 32"):
         build_model(ModelConfig(name="InceptionV3", weights="none"), 3, 32)
+
+
+def test_fast_preprocessing_gives_the_numbers_of_keras_own_for_every_model():
+    import importlib
+
+    import numpy as np
+    import tensorflow as tf
+
+    from hvd_train.models import _caffe, available_models, fast_preprocess
+
+    batch = np.random.default_rng(3).uniform(0, 255, (4, 9, 11, 3)).astype("float32")
+    chosen = set()
+    for spec in available_models().values():
+        own = importlib.import_module(spec.module).preprocess_input
+        fast = fast_preprocess(spec.module)
+        chosen.add(fast.__name__)
+        np.testing.assert_array_equal(fast(tf.constant(batch)), own(tf.constant(batch)), err_msg=spec.name)
+    assert fast_preprocess(available_models()["ResNet50"].module) is _caffe
+    assert {"_caffe", "_tf_mode", "_torch", "_identity"} <= chosen

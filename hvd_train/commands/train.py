@@ -23,23 +23,34 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     # Validated before Horovod starts and before any rank reads data: every
     # rank rejects a bad option the same way, and none waits for another.
+    import os
+
     from hvd_train.errors import UserError
-    from hvd_train.models import get_spec
 
     try:
         cfg = config.from_sources(args)
-        get_spec(cfg.model.name)
     except UserError as e:
         # Every rank parsed the same flags and failed the same way: rank 0 says so.
         raise UserError(str(e), agreed=True) from None
+    # Read by TensorFlow and by hvd.init(), so set before either starts.
+    os.environ.update(cfg.horovod.environment(cfg.run.output))
+    if cfg.horovod.timeline or cfg.horovod.autotune:
+        os.makedirs(cfg.run.output, exist_ok=True)  # Horovod opens its files there at init
+    from hvd_train import compute
+
+    compute.xla_environment(cfg.compute.xla)
 
     from hvd_train import distributed, log, train
+    from hvd_train.models import get_spec
 
     try:
+        get_spec(cfg.model.name)
         distributed.check_launch(elastic=cfg.horovod.elastic)
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
     ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
+    compute.use_xla(cfg.compute.xla)
+    distributed.warn_ineffective(cfg.horovod, ctx)
     if cfg.run.log_all_ranks:
         log.setup(ctx.rank, ctx.size, all_ranks=True)
     train.run(cfg, ctx)

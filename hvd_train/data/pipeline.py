@@ -31,7 +31,7 @@ import tensorflow as tf
 from hvd_train.data import shards, storage
 from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet
-from hvd_train.data.images import decode
+from hvd_train.data.images import Window, decode_window
 from hvd_train.data.sharding import Segment, Strided, epoch_order
 from hvd_train.data.shards import ShardSet
 
@@ -67,6 +67,7 @@ def train_input(
     seed: int,
     threads: int = 0,
     s3: storage.S3Options | None = None,
+    fused_jpeg: bool = True,
 ) -> TrainInput:
     """Rank ``rank``'s batches for ``segments`` (each from its first step on).
 
@@ -78,13 +79,14 @@ def train_input(
         segments: ``(segment, start step)`` pairs: the rest of the current
             epoch, then whole epochs.
         s3: how to reach S3, for ``s3://`` images and shard sets.
+        fused_jpeg: decode only the crop of a JPEG (False: decode whole, then crop).
     """
     segments = tuple(segments)
     batches = {seg.batch for seg, _ in segments}
     if len(batches) > 1:
         raise ValueError(f"`segments` must share one batch size. Received: {sorted(batches)}")
     batch = batches.pop() if batches else 1
-    augmenter = _augmenter(augment, image_size, seed)
+    augmenter = _augmenter(augment, image_size, seed, fused_jpeg)
     n = len(data)
     if isinstance(data, ShardSet):
         reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(data.url))
@@ -93,18 +95,21 @@ def train_input(
 
         def load(record, index, epoch):
             contents, label = shards.parse(record)
-            return preprocess(augmenter(decode(contents), epoch * n + index)), tf.gather(label_map, label), index
+            return augmenter(contents, epoch * n + index), tf.gather(label_map, label), index
 
     else:
         reader, ds = _folder_files(data, segments, rank, seed, s3)
         labels_t = tf.constant(data.labels, dtype=tf.int32)
 
         def load(index, epoch, contents):
-            return preprocess(augmenter(decode(contents), epoch * n + index)), labels_t[index], index
+            return augmenter(contents, epoch * n + index), labels_t[index], index
 
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
     ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    ds = ds.batch(batch, drop_remainder=True)
+    # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
+    ds = ds.map(lambda images, labels, ids: (preprocess(images), labels, ids), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
     return TrainInput(_with_threads(ds, threads), segments, reader)
 
 
@@ -169,18 +174,16 @@ def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: 
     return reader.dataset(stream, spec).unbatch()
 
 
-def _augmenter(augment: str, image_size: int, seed: int):
-    """``f(image, key index)``: the training augmentation, drawn from ``(seed, key index)``."""
+def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True):
+    """``f(encoded image, key index)``: decode and augment, drawn from ``(seed, key index)``."""
     flips = "flip" in augment
     crops = "crop" in augment
 
-    def apply(image, key_index):
+    def apply(contents, key_index):
         key = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), key_index)
         crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
-        if crops:
-            image = _random_crop(image, image_size, crop_key)
-        else:
-            image = _center_crop(image, image_size, 1.0)
+        window = random_crop_window(crop_key) if crops else center_window(1.0)
+        image = _resize(decode_window(contents, window, fused_jpeg, min_side=image_size), image_size)
         if flips:
             image = tf.image.stateless_random_flip_left_right(image, flip_key)
         return image
@@ -256,7 +259,7 @@ def eval_dataset(
     s3 = s3 or storage.S3Options()
 
     def center(contents):
-        return preprocess(_center_crop(decode(contents), image_size, crop_fraction))
+        return _resize(decode_window(contents, center_window(crop_fraction), min_side=image_size), image_size)
 
     if isinstance(data, ShardSet):
         reader = StreamReader(s3, local=not storage.is_s3(data.url))
@@ -292,8 +295,8 @@ def eval_dataset(
             )
             ds = ds.map(lambda i, p: (i, tf.io.read_file(p)), num_parallel_calls=tf.data.AUTOTUNE)
         ds = ds.map(lambda i, contents: (center(contents), labels_t[i]), num_parallel_calls=tf.data.AUTOTUNE)
-    ds = ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)
-    return _with_threads(ds, threads)
+    ds = ds.batch(batch_size).map(lambda images, labels: (preprocess(images), labels))
+    return _with_threads(ds.prefetch(tf.data.AUTOTUNE), threads)
 
 
 def predict_dataset(
@@ -302,37 +305,43 @@ def predict_dataset(
     """Batches of preprocessed images in ``paths`` order, for prediction."""
     ds = tf.data.Dataset.from_tensor_slices(tf.constant(paths, dtype=tf.string))
     ds = ds.map(
-        lambda p: preprocess(_center_crop(decode(tf.io.read_file(p)), image_size, crop_fraction)),
+        lambda p: _resize(
+            decode_window(tf.io.read_file(p), center_window(crop_fraction), min_side=image_size), image_size
+        ),
         num_parallel_calls=tf.data.AUTOTUNE,
     )
-    return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)
+    return ds.batch(batch_size).map(preprocess).prefetch(tf.data.AUTOTUNE)
 
 
-def _random_crop(image: tf.Tensor, image_size: int, key: tf.Tensor) -> tf.Tensor:
-    """Random crop of 25-100% of the area, aspect 3/4-4/3, resized to the input size."""
-    begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        tf.shape(image),
-        bounding_boxes=tf.zeros([1, 0, 4]),
-        seed=key,
-        min_object_covered=0.0,
-        aspect_ratio_range=(3 / 4, 4 / 3),
-        area_range=(0.25, 1.0),
-        max_attempts=10,
-        use_image_if_no_bounding_boxes=True,
-    )
-    image = tf.slice(image, begin, crop_size)
-    return _resize(image, image_size)
+def random_crop_window(key: tf.Tensor) -> Window:
+    """A random crop of 25-100% of the area, aspect 3/4-4/3, drawn from ``key`` (Inception-style)."""
+
+    def window(height_width: tf.Tensor) -> tf.Tensor:
+        shape = tf.concat([tf.cast(height_width, tf.int32), [3]], axis=0)
+        begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+            shape,
+            bounding_boxes=tf.zeros([1, 0, 4]),
+            seed=key,
+            min_object_covered=0.0,
+            aspect_ratio_range=(3 / 4, 4 / 3),
+            area_range=(0.25, 1.0),
+            max_attempts=10,
+            use_image_if_no_bounding_boxes=True,
+        )
+        return tf.stack([begin[0], begin[1], size[0], size[1]])
+
+    return window
 
 
-def _center_crop(image: tf.Tensor, image_size: int, fraction: float) -> tf.Tensor:
-    """The central square of side ``fraction * min(h, w)``, resized to the input size."""
-    shape = tf.shape(image)
-    h, w = shape[0], shape[1]
-    side = tf.maximum(1, tf.cast(fraction * tf.cast(tf.minimum(h, w), tf.float32), tf.int32))
-    top = (h - side) // 2
-    left = (w - side) // 2
-    image = tf.slice(image, tf.stack([top, left, 0]), tf.stack([side, side, 3]))
-    return _resize(image, image_size)
+def center_window(fraction: float) -> Window:
+    """The central square of side ``fraction * min(height, width)``."""
+
+    def window(height_width: tf.Tensor) -> tf.Tensor:
+        h, w = tf.unstack(tf.cast(height_width, tf.int32))
+        side = tf.maximum(1, tf.cast(fraction * tf.cast(tf.minimum(h, w), tf.float32), tf.int32))
+        return tf.stack([(h - side) // 2, (w - side) // 2, side, side])
+
+    return window
 
 
 def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:

@@ -16,6 +16,7 @@ dump_dir, train_args = sys.argv[1], sys.argv[2:]
 parser = argparse.ArgumentParser()
 config.add_arguments(parser)
 cfg = config.from_sources(parser.parse_args(train_args))
+os.environ.update(cfg.horovod.environment(cfg.run.output))
 ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
 log.setup(ctx.rank, ctx.size)
 outcome = train.run(cfg, ctx)

@@ -1,0 +1,288 @@
+"""Throughput measurements: the model alone, the input pipeline alone, or both.
+
+* ``synthetic``: the training step on one batch of random tensors, cached,
+  like Horovod's synthetic benchmarks: what the model and the allreduce
+  allow, with no input cost.
+* ``io``: the input pipeline alone on real data (read, decode, augment,
+  resize, batch), like the ``--test-io`` mode of MXNet's image
+  classification example: what the input can feed. For JPEG with random
+  crops it measures the fused crop-and-decode and the whole-image decode in
+  the same run (``--decode both``).
+* ``full``: real data through the training step.
+
+Timing follows Horovod's synthetic benchmark: warm-up batches first (graph
+tracing, pipeline start), then ``iters`` iterations of ``batches_per_iter``
+steps; each step's images/s is timed on every rank. The result gives, per
+rank, the min / median / max over the timed steps, the total over ranks,
+and the efficiency against a single-worker figure (``--baseline``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from hvd_train.distributed import Context
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("bench")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.
+
+    Attributes:
+        mode: ``synthetic``, ``io`` or ``full``.
+        model: keras.applications model name.
+        image_size: model input side.
+        batch_size: images per worker per step.
+        classes: outputs of the head (synthetic; real data has its own).
+        precision: ``auto``, ``fp32``, ``mixed_float16``, ``mixed_bfloat16``.
+        xla: ``off``, ``auto``, ``jit``.
+        fp16_allreduce: compress gradients to float16 for the allreduce.
+        data: image folder or shard set (``io`` and ``full``).
+        augment: training augmentation (``io`` and ``full``).
+        decode: ``fused`` (JPEG crops decoded alone), ``full``, or ``both`` (``io``).
+        warmup_batches: steps before timing.
+        batches_per_iter: steps per timed iteration.
+        iters: timed iterations.
+        threads_per_rank: TensorFlow CPU threads per process (0: cores / local ranks).
+        baseline: images/s of one worker, for the scaling efficiency (0: none).
+    """
+
+    mode: str = "synthetic"
+    model: str = "ResNet50"
+    image_size: int = 224
+    batch_size: int = 32
+    classes: int = 1000
+    precision: str = "auto"
+    xla: str = "off"
+    fp16_allreduce: bool = False
+    data: str = ""
+    augment: str = "crop,flip"
+    decode: str = "fused"
+    warmup_batches: int = 10
+    batches_per_iter: int = 10
+    iters: int = 10
+    threads_per_rank: int = 0
+    baseline: float = 0.0
+
+
+@dataclass
+class Timings:
+    """Per-step images/s of one rank (one pipeline variant in ``io`` mode)."""
+
+    rates: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def summary(self, batch: int) -> dict:
+        """Per-step min / median / max images/s, the median step, and images/s over all steps."""
+        r = self.rates
+        return {
+            "min": min(r),
+            "median": statistics.median(r),
+            "max": max(r),
+            "step_seconds": statistics.median(self.seconds),
+            "overall": batch * len(self.seconds) / sum(self.seconds),
+        }
+
+
+def run(cfg: BenchConfig, ctx: Context) -> dict:
+    """Measures ``cfg.mode`` on this rank; every rank returns the same result dict.
+
+    Raises:
+        UserError: a bad option or data.
+    """
+    if cfg.mode in ("io", "full") and not cfg.data:
+        raise UserError(f"--mode {cfg.mode} reads real images: give --data DIR (a folder or a shard set).")
+    if cfg.mode == "io":
+        variants = ["fused", "full"] if cfg.decode == "both" else [cfg.decode]
+        timings = {v: _io(cfg, ctx, fused=v == "fused") for v in variants}
+    else:
+        timings = {cfg.mode: _train_steps(cfg, ctx)}
+    gathered = ctx.allgather_object({k: (t.rates, t.seconds) for k, t in timings.items()}, name="bench")
+    return _result(cfg, ctx, gathered)
+
+
+def _result(cfg: BenchConfig, ctx: Context, gathered: list[dict]) -> dict:
+    from hvd_train import distributed
+
+    variants = {}
+    for name in gathered[0]:
+        per_rank = []
+        for rank, by_variant in enumerate(gathered):
+            rates, seconds = by_variant[name]
+            per_rank.append({"rank": rank, **Timings(rates, seconds).summary(cfg.batch_size)})
+        total = sum(r["overall"] for r in per_rank)
+        entry = {"per_rank": per_rank, "total": total, "per_worker": total / ctx.size}
+        if cfg.baseline:
+            entry["efficiency"] = total / (ctx.size * cfg.baseline)
+        variants[name] = entry
+    result = {
+        "config": asdict(cfg),
+        "world_size": ctx.size,
+        "hosts": len({h for h in ctx.allgather_object(socket.gethostname(), name="bench_hosts")}),
+        "results": variants,
+        **distributed.versions(),
+    }
+    if "fused" in variants and "full" in variants:
+        result["fused_over_full"] = variants["fused"]["total"] / variants["full"]["total"]
+    return result
+
+
+def _batches(cfg: BenchConfig):
+    return cfg.warmup_batches, cfg.iters * cfg.batches_per_iter
+
+
+def _report(ctx: Context, label: str, step: int, total: int, rate: float) -> None:
+    if ctx.is_root:
+        log.info("%s: step %d/%d, %.1f images/s (rank 0)", label, step, total, rate)
+
+
+def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
+    """Times the real training step (``classifier.Net``) on random or real batches."""
+    import tensorflow as tf
+
+    from hvd_train import compute, distributed
+    from hvd_train.classifier import Net, use_step_seeded_dropout
+    from hvd_train.config import TrainConfig, build
+    from hvd_train.models import build_model
+
+    numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
+    train_cfg: TrainConfig = build(
+        {
+            "data": {"train": cfg.data or "synthetic", "batch_size": cfg.batch_size, "augment": cfg.augment},
+            "model": {"name": cfg.model, "weights": "none"},
+            "compute": {"precision": numerics, "xla": cfg.xla},
+            "horovod": {"fp16_allreduce": cfg.fp16_allreduce, "threads_per_rank": cfg.threads_per_rank},
+            "run": {"output": "bench"},
+        }
+    )
+    if cfg.mode == "full":
+        images_set, dataset = _real_input(cfg, ctx)
+        classes = len(images_set.classes)
+    else:
+        classes = cfg.classes
+    compute.set_policy(numerics)
+    use_step_seeded_dropout()
+    base = ctx.agree(lambda: build_model(train_cfg.model, classes, cfg.image_size, load_weights=False), name="build")
+    net = Net(base, train_cfg, seed=1, rank=ctx.rank, precision=numerics)
+    # Horovod: every rank starts from rank 0's weights.
+    distributed.broadcast_variables(net.variables, ctx)
+    if cfg.mode != "full":
+        images = tf.random.stateless_uniform((cfg.batch_size, cfg.image_size, cfg.image_size, 3), seed=(1, ctx.rank))
+        labels = tf.random.stateless_uniform((cfg.batch_size,), seed=(2, ctx.rank), maxval=classes, dtype=tf.int32)
+        batch = (images * 2 - 1, labels, tf.zeros((cfg.batch_size,), tf.int64))
+        dataset = tf.data.Dataset.from_tensors(batch).cache().repeat()
+    iterator = iter(dataset)
+    warmup, timed = _batches(cfg)
+    out = Timings()
+    label = f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}"
+    for step in range(warmup + timed):
+        started = time.perf_counter()
+        net.set_flags(False, False, 0.0)
+        logs, _, agreed = net.step(iterator)
+        agreed.numpy()  # the step is done on every rank
+        seconds = time.perf_counter() - started
+        if step >= warmup:
+            out.seconds.append(seconds)
+            out.rates.append(cfg.batch_size / seconds)
+            if (step - warmup + 1) % cfg.batches_per_iter == 0:
+                recent = out.seconds[-cfg.batches_per_iter :]
+                _report(ctx, label, step - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
+    return out
+
+
+def _real_input(cfg: BenchConfig, ctx: Context, fused: bool = True):
+    """The images, and rank ``ctx.rank``'s batches of them: enough for the warm-up and the timed steps."""
+    from hvd_train import distributed
+    from hvd_train.data.pipeline import train_input
+    from hvd_train.data.sharding import Segment
+    from hvd_train.data.sources import open_data
+    from hvd_train.data.storage import S3Options
+    from hvd_train.models import get_spec
+
+    data = ctx.on_root(lambda: open_data(cfg.data, "--data", S3Options()), name="bench_data")
+    n = len(data)
+    warmup, timed = _batches(cfg)
+    per_epoch = Segment.whole(0, n, ctx.size, cfg.batch_size).steps
+    epochs = -(-(warmup + timed) // per_epoch)
+    segments = [(Segment.whole(e, n, ctx.size, cfg.batch_size, seed=1), 0) for e in range(epochs)]
+    made = train_input(
+        data,
+        segments,
+        rank=ctx.rank,
+        image_size=cfg.image_size,
+        augment=cfg.augment,
+        preprocess=get_spec(cfg.model).preprocess_input(),
+        seed=1,
+        threads=distributed.cpu_threads(ctx, cfg.threads_per_rank),
+        fused_jpeg=fused,
+    )
+    return data, made.dataset
+
+
+def _io(cfg: BenchConfig, ctx: Context, fused: bool) -> Timings:
+    """Times the input pipeline alone: batches taken as fast as it makes them."""
+    _, dataset = _real_input(cfg, ctx, fused)
+    iterator = iter(dataset)
+    warmup, timed = _batches(cfg)
+    out = Timings()
+    label = f"io ({'fused crop decode' if fused else 'whole decode'}) {cfg.image_size}px batch {cfg.batch_size}"
+    for step in range(warmup + timed):
+        started = time.perf_counter()
+        images, *_ = next(iterator)
+        images.numpy()
+        seconds = time.perf_counter() - started
+        if step >= warmup:
+            out.seconds.append(seconds)
+            out.rates.append(cfg.batch_size / seconds)
+            if (step - warmup + 1) % cfg.batches_per_iter == 0:
+                recent = out.seconds[-cfg.batches_per_iter :]
+                _report(ctx, label, step - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
+    return out
+
+
+def print_result(result: dict) -> None:
+    """The result as a few lines of text (rank 0)."""
+    cfg = result["config"]
+    print(
+        f"hvd-train bench --mode {cfg['mode']}: {cfg['model']} {cfg['image_size']}px, batch {cfg['batch_size']} "
+        f"per worker, {result['world_size']} worker(s) on {result['hosts']} host(s)"
+    )
+    for name, entry in result["results"].items():
+        print(f"  {name}:")
+        for r in entry["per_rank"]:
+            print(
+                f"    rank {r['rank']}: {r['overall']:.1f} images/s "
+                f"(per step min {r['min']:.1f} / median {r['median']:.1f} / max {r['max']:.1f})"
+            )
+        line = f"    total {entry['total']:.1f} images/s ({entry['per_worker']:.1f} per worker)"
+        if "efficiency" in entry:
+            line += f"; scaling efficiency {entry['efficiency']:.2f} against {cfg['baseline']:.1f} images/s on one"
+        print(line)
+    if "fused_over_full" in result:
+        print(f"  fused crop decode / whole decode: {result['fused_over_full']:.2f}x")
+
+
+def read_baseline(text: str) -> float:
+    """``--baseline``: a number of images/s, or the JSON of an earlier one-worker run."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        with open(text, encoding="utf-8") as f:
+            earlier = json.load(f)
+        entry = next(iter(earlier["results"].values()))
+        return float(entry["per_worker"])
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        raise UserError(
+            f"--baseline {text!r} is neither images/s nor the JSON of hvd-train bench ({e}); "
+            f"give a number or a file written with --json."
+        ) from None
