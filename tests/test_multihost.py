@@ -9,16 +9,13 @@ explicitly.
 """
 
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import netns
 from conftest import TINY, output_of, read_json, run
 
 pytestmark = pytest.mark.multiprocess
@@ -28,55 +25,14 @@ AGENT = Path(__file__).parent / "launched" / "netns-agent"
 DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
 
 
-def _ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
 def hosts():
     """Namespaces ``a`` and ``b``, addresses 10.77.N.1 and 10.77.N.2 on ``hvd0``."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (`ip`) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    ns = {"a": f"hvd-a-{tag}", "b": f"hvd-b-{tag}"}
-    made = _ip("netns", "add", ns["a"])
-    if made.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {made.stderr.strip()}")
-    net = 10 + int(tag[:2], 16) % 200
-    addr = {"a": f"10.77.{net}.1", "b": f"10.77.{net}.2"}
-    etc = {side: Path("/etc/netns") / name for side, name in ns.items()}
     try:
-        # As on a cluster, each host's name resolves to its own address (ip netns
-        # exec mounts /etc/netns/NS/hosts over /etc/hosts). Horovod 0.28.1's Gloo
-        # process-set context ignores --network-interface and binds to that address.
-        for side in "ab":
-            etc[side].mkdir(parents=True, exist_ok=True)
-            (etc[side] / "hosts").write_text(f"127.0.0.1 localhost\n{addr[side]} {socket.gethostname()}\n")
-        steps = [
-            ("netns", "add", ns["b"]),
-            ("link", "add", f"va{tag}", "type", "veth", "peer", "name", f"vb{tag}"),
-            ("link", "set", f"va{tag}", "netns", ns["a"]),
-            ("link", "set", f"vb{tag}", "netns", ns["b"]),
-            ("-n", ns["a"], "link", "set", f"va{tag}", "name", "hvd0"),
-            ("-n", ns["b"], "link", "set", f"vb{tag}", "name", "hvd0"),
-        ]
-        for side in "ab":
-            steps += [
-                ("-n", ns[side], "addr", "add", f"{addr[side]}/24", "dev", "hvd0"),
-                ("-n", ns[side], "link", "set", "hvd0", "up"),
-                ("-n", ns[side], "link", "set", "lo", "up"),
-            ]
-        for step in steps:
-            done = _ip(*step)
-            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
-        yield ns, addr
-    finally:
-        for name in ns.values():
-            _ip("netns", "del", name)
-        for folder in etc.values():
-            shutil.rmtree(folder, ignore_errors=True)
+        with netns.two_hosts() as made:
+            yield made
+    except netns.Unavailable as e:
+        pytest.skip(str(e))
 
 
 def env_for(ns, addr, tmp_path):

@@ -1,0 +1,96 @@
+"""`hvd-train bench --mode synthetic` against Horovod's own Keras synthetic benchmark.
+
+    python benchmarks/vs_horovod.py --horovod-example PATH [--model MobileNetV2] [--batch-size 32]
+
+PATH is examples/tensorflow2/tensorflow2_keras_synthetic_benchmark.py from a
+checkout of https://github.com/horovod/horovod (it is not in Horovod's
+package). Both run the same model (keras.applications, 224 px, 1000
+classes, from random weights), batch and iterations, on one core per rank:
+np=1 under `taskset -c 0`, np=2 under `mpirun --bind-to core`. Horovod's
+script imports `keras`, which must be Keras 2 here: it is started with
+`keras` resolving to tf_keras, nothing else changed.
+
+Prints Markdown; benchmarks/RESULTS.md keeps the recorded runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+ENV = dict(
+    os.environ,
+    TF_USE_LEGACY_KERAS="1",
+    TF_CPP_MIN_LOG_LEVEL="3",
+    OMPI_ALLOW_RUN_AS_ROOT="1",
+    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    TF_NUM_INTRAOP_THREADS="1",
+    TF_NUM_INTEROP_THREADS="2",
+)
+SHIM = (
+    "import runpy, sys; import tf_keras; sys.modules['keras'] = tf_keras; "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def launcher(np_: int) -> list[str]:
+    if np_ == 1:
+        return ["taskset", "-c", "0"]
+    return ["mpirun", "-np", str(np_), "--bind-to", "core", "--map-by", "core"] + [
+        x for name in ENV if name.startswith(("TF_", "OMPI_")) or name == "PATH" for x in ("-x", name)
+    ]
+
+
+def horovods(example: str, np_: int, args) -> float:
+    cmd = [*launcher(np_), sys.executable, "-c", SHIM, example, "--no-cuda", "--model", args.model]
+    cmd += ["--batch-size", str(args.batch_size), "--num-batches-per-iter", "10", "--num-iters", str(args.iters)]
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, check=True).stdout
+    return float(re.search(r"Total img/sec on \d+ CPU\(s\): ([0-9.]+)", out).group(1))
+
+
+def ours(np_: int, args, work: Path) -> float:
+    out = work / f"ours-{np_}.json"
+    cmd = [*launcher(np_), str(BIN / "hvd-train"), "bench", "--mode", "synthetic", "--model", args.model]
+    cmd += ["--image-size", "224", "--batch-size", str(args.batch_size), "--classes", "1000", "--precision", "fp32"]
+    cmd += ["--threads-per-rank", "1", "--warmup-batches", "10", "--batches-per-iter", "10"]
+    cmd += ["--iters", str(args.iters - 1), "--json", str(out)]
+    subprocess.run(cmd, env=ENV, capture_output=True, text=True, check=True)
+    return json.loads(out.read_text())["results"]["synthetic"]["total"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--horovod-example", required=True, help="tensorflow2_keras_synthetic_benchmark.py")
+    parser.add_argument("--model", default="MobileNetV2")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=10, help="Horovod's --num-iters (the first is its warm-up)")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hvd-train-vs-"))
+    results = {}
+    for _ in range(args.repeats):
+        for np_ in (1, 2):
+            results.setdefault(("horovod", np_), []).append(horovods(args.horovod_example, np_, args))
+            results.setdefault(("hvd-train", np_), []).append(ours(np_, args, work))
+    best = {k: max(v) for k, v in results.items()}
+    print(f"\n{args.model} 224 px, batch {args.batch_size}, fp32, one core per rank; best of {args.repeats}\n")
+    print("| | np=1 img/s | np=2 img/s | scaling np=1->2 |")
+    print("|---|---|---|---|")
+    for who in ("horovod", "hvd-train"):
+        one, two = best[(who, 1)], best[(who, 2)]
+        runs = ", ".join(f"{x:.1f}" for x in results[(who, 1)] + results[(who, 2)])
+        print(f"| {who} | {one:.1f} | {two:.1f} | {two / (2 * one):.2f} (runs: {runs}) |")
+    for np_ in (1, 2):
+        print(f"\nhvd-train / Horovod at np={np_}: {best[('hvd-train', np_)] / best[('horovod', np_)]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
