@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hvd_train import __version__, log
+from hvd_train import __version__, hostname, log
 from hvd_train.errors import UserError
 
 
@@ -34,8 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     rank, size = log.launcher_rank()
     log.setup(rank, size)
-    args = build_parser().parse_args(argv)
     logger = log.get_logger()
+    try:
+        # Before TensorFlow and Horovod load: may re-execute this process.
+        notice = hostname.prepare_rank(argv_given=argv is not None)
+    except UserError as e:
+        logger.error("error: %s", e)
+        return e.exit_code
+    if notice and rank == 0:
+        logger.info("%s", notice)
+    args = build_parser().parse_args(argv)
     from hvd_train.preemption import Preempted
 
     try:

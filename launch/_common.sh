@@ -48,6 +48,25 @@ usage() {
   sed -n '2,/^set -euo/p' "$1" | sed '$d; s/^# \{0,1\}//'
 }
 
+# Stops a multi-host Gloo launch on a host whose name does not resolve, or
+# resolves to loopback: Horovod's Gloo controller binds to that name's
+# address, which the other hosts cannot reach (single-host jobs are fine:
+# hvd-train makes them use loopback).
+check_hostname_for_hosts() {
+  local name address problem=""
+  name=$(hostname)
+  address=$(getent hosts "$name" | awk '{print $1; exit}' || true)
+  if [[ -z "$address" ]]; then
+    problem="this host's name '$name' does not resolve, and Horovod's Gloo binds to it: add '<cluster address> $name' to /etc/hosts (and give --network-interface), or use --mpi"
+  elif [[ "$address" == 127.* || "$address" == ::1 ]]; then
+    problem="this host's name '$name' resolves to $address (loopback), which the other hosts cannot reach: map it to this host's cluster address in /etc/hosts (and give --network-interface), or use --mpi"
+  fi
+  [[ -z "$problem" ]] && return 0
+  # A dry run shows the command all the same.
+  [[ "${DRY_RUN:-0}" == 1 ]] && { printf '%s: warning: %s\n' "$(basename "$0")" "$problem" >&2; return 0; }
+  die "$problem"
+}
+
 die() {
   printf '%s: %s\n' "$(basename "$0")" "$*" >&2
   exit 2

@@ -75,6 +75,9 @@ if ((${#elastic[@]})); then
   [[ " $* " == *" --elastic "* ]] || die "give hvd-train --elastic too (e.g. -- train --elastic ...) when launching elastically"
 fi
 
+if [[ "$controller" == --gloo && ( -n "$hostfile" || "$hosts" == *,* ) ]]; then
+  check_hostname_for_hosts
+fi
 cmd=(horovodrun -np "$np" "$controller" "${elastic[@]}")
 [[ -n "$hosts" ]] && cmd+=(-H "$hosts")
 [[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")

@@ -16,6 +16,8 @@
 #   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
 #   HVD_TRAIN_EDITABLE 0 installs hvd_train as a copy, not editable (default: 1)
 #   PYTHON             interpreter for the venv             (default: python3)
+#   HVD_TRAIN_CA_BUNDLE  CA bundle to trust for downloads (apt over https,
+#                      pip), e.g. behind a TLS-inspecting proxy; used, never copied
 set -euo pipefail
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
@@ -38,6 +40,13 @@ HOROVOD_VERSION=0.28.1
 log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
 
+apt_ca=()
+if [[ -s "${HVD_TRAIN_CA_BUNDLE:-}" ]]; then
+  log "downloads trust the CA bundle $HVD_TRAIN_CA_BUNDLE"
+  export PIP_CERT=$HVD_TRAIN_CA_BUNDLE SSL_CERT_FILE=$HVD_TRAIN_CA_BUNDLE REQUESTS_CA_BUNDLE=$HVD_TRAIN_CA_BUNDLE
+  apt_ca=(-o "Acquire::https::CAInfo=$HVD_TRAIN_CA_BUNDLE")
+fi
+
 # --- 1. system packages -------------------------------------------------------
 # iproute2: `ip`, for the multi-host test's network namespaces; curl: launch/aws-spot-watch.sh.
 apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2 curl)
@@ -49,8 +58,8 @@ if ((${#missing[@]})); then
   sudo=""
   [[ $(id -u) -eq 0 ]] || sudo="sudo"
   log "apt: installing ${missing[*]}"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  $sudo apt-get "${apt_ca[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get "${apt_ca[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 else
   log "apt: ${apt_packages[*]} already installed"
 fi
@@ -130,6 +139,21 @@ if [[ "${HVD_TRAIN_EDITABLE:-1}" == 1 ]]; then
 else
   log "pip: installing hvd_train${extras:+[$extras]}"
   "${pip[@]}" install -q "$spec"
+fi
+
+# --- 6b. loopback fix for hosts whose name does not resolve -------------------
+# A preload library under which gethostname() answers "localhost": Horovod's
+# Gloo controller crashes where this host's name does not resolve, and
+# hvd_train/hostname.py loads it for single-host jobs on such hosts.
+shim="$venv/lib/hvd_train/gethostname.so"
+shim_src="$here/hvd_train/native/gethostname.c"
+if [[ -f "$shim" && ! "$shim_src" -nt "$shim" ]]; then
+  log "loopback hostname fix already built"
+else
+  log "building the loopback hostname fix ($shim)"
+  mkdir -p "$(dirname "$shim")"
+  gcc -shared -fPIC -O2 -Wall -o "$shim.tmp" "$shim_src"
+  mv "$shim.tmp" "$shim"
 fi
 
 # --- 7. check ---------------------------------------------------------------

@@ -91,12 +91,22 @@ def run(args: argparse.Namespace) -> int:
         print("  chosen      none set: horovodrun probes the hosts for common interfaces; NCCL takes the first")
         print("              non-loopback one. Set --network-interface when hosts have several networks.")
 
-    resolved = _hostname_address()
-    print(f"  hostname    {resolved}")
-    if resolved.split(" -> ")[-1].startswith("127."):
-        print("  note        this hostname resolves to loopback: Horovod's Gloo controller binds some of its")
-        print("              connections to that address, so runs across hosts need it to resolve to the")
-        print("              host's cluster address (or use the MPI controller: --mpi / plain mpirun).")
+    from hvd_train import hostname
+
+    found = hostname.resolve(os.environ.get(hostname.SHIM_FLAG))
+    print(f"  hostname    {found.name} -> {found.address or '(does not resolve)'}")
+    if found.address is None or found.loopback:
+        fix = f"an /etc/hosts entry '<cluster address> {found.name}' (with --network-interface), or mpirun"
+        if found.address is None:
+            shim = hostname.shim_path()
+            print("  single host Horovod's Gloo would crash on this name; hvd-train preloads a fix so that it")
+            print(f"              uses loopback ({shim}: {'built' if shim.exists() else 'missing'})")
+            if not shim.exists():
+                problems.append(f"{found.describe()} and the loopback fix is not built: run launch/install.sh")
+        else:
+            print("  single host Horovod uses loopback: fine")
+        print("  multi-host  Gloo jobs stop before training: the other hosts cannot reach this name's address;")
+        print(f"              fix: {fix}")
 
     data = args.data
     endpoint = args.s3_endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
@@ -154,16 +164,6 @@ def _interfaces() -> dict[str, list[str]]:
         label = [a.address for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]
         found[name] = label + ([] if up is None or up.isup else ["(down)"])
     return found
-
-
-def _hostname_address() -> str:
-    import socket
-
-    name = socket.gethostname()
-    try:
-        return f"{name} -> {socket.gethostbyname(name)}"
-    except OSError:
-        return f"{name} -> (does not resolve)"
 
 
 def _check_s3(data: str, endpoint: str) -> list[str]:

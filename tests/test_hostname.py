@@ -1,0 +1,94 @@
+"""A host whose name does not resolve (containers, minimal hosts): no segfault, on any launcher.
+
+The jobs run in a UTS namespace of their own (`unshare --uts`, root) whose
+host name resolves nowhere, as in `docker run --network none`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from hvd_train import hostname
+
+from conftest import BIN, HVD_TRAIN, TINY, launcher_command, output_of, read_json, run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def nowhere(*command) -> list:
+    """``command`` on a host named ``nowhere-<pid>``, a name no resolver knows."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a UTS namespace needs root and util-linux's unshare (CI runs as root)")
+    name = f"nowhere-{os.getpid()}"
+    quoted = " ".join(f"'{c}'" for c in map(str, command))
+    return ["unshare", "--uts", "bash", "-c", f"hostname {name} && exec {quoted}"]
+
+
+@pytest.mark.multiprocess
+def test_single_host_gloo_job_uses_loopback_and_says_so_once(demo_small, tmp_path):
+    assert hostname.shim_path().exists(), "launch/install.sh builds the loopback fix"
+    out = tmp_path / "run"
+    program = [*HVD_TRAIN, "train", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--epochs", "1"]
+    proc = run(
+        nowhere(*launcher_command("horovodrun-gloo", 2), *program), timeout=600, PATH=f"{BIN}:{os.environ['PATH']}"
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output_of(proc)
+    assert "Segmentation fault" not in text
+    assert text.count("does not resolve; single-host job, so Horovod uses loopback (localhost)") == 1, text[-3000:]
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 2 and summary["val_images"] == 25
+
+
+def multi_host_env(**extra) -> dict:
+    """What horovodrun gives rank 0 of a job across two hosts (the job never gets further)."""
+    return {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.9.9.9",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "1",
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_RANK": "0",
+        "HOROVOD_SIZE": "2",
+        "HOROVOD_LOCAL_RANK": "0",
+        "HOROVOD_LOCAL_SIZE": "1",
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "2",
+        **extra,
+    }
+
+
+def test_multi_host_gloo_job_stops_before_horovod_starts_with_one_line(demo_small, tmp_path):
+    program = [*HVD_TRAIN, "train", "--data", demo_small, "--output", tmp_path / "run", *TINY]
+    proc = run(nowhere(*program), timeout=120, **multi_host_env())
+    assert proc.returncode == 2, output_of(proc)
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "does not resolve" in errors[0] and "/etc/hosts" in errors[0], proc.stderr
+    assert "--network-interface" in errors[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_multi_host_gloo_job_on_a_loopback_name_stops_too(demo_small, tmp_path):
+    name = socket.gethostname()
+    found = hostname.resolve(name)
+    if not found.loopback:
+        pytest.skip(f"this host's name resolves to {found.address}, not loopback")
+    proc = run([*HVD_TRAIN, "train", "--data", demo_small, "--output", tmp_path / "run", *TINY], timeout=120,
+               **multi_host_env())  # fmt: skip
+    assert proc.returncode == 2 and "(loopback)" in proc.stderr and "cannot reach" in proc.stderr, output_of(proc)
+
+
+def test_launch_script_stops_a_multi_host_job_before_launching():
+    proc = run(nowhere("bash", REPO / "launch" / "horovodrun.sh", "-H", "a:1,b:1", "--np", "2", "--", "train"))
+    assert proc.returncode == 2, output_of(proc)
+    assert "does not resolve" in proc.stderr and "/etc/hosts" in proc.stderr and "--network-interface" in proc.stderr
+    assert "+ horovodrun" not in proc.stderr  # nothing was launched
+
+
+def test_doctor_reports_an_unresolvable_name(tmp_path):
+    proc = run(nowhere(*HVD_TRAIN, "doctor"), timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    assert "(does not resolve)" in proc.stdout and "uses loopback" in proc.stdout and "multi-host" in proc.stdout
