@@ -1,10 +1,16 @@
-# syntax=docker/dockerfile:1
 # hvd_train image. GPU by default (CUDA 12.5 + cuDNN 9, as TensorFlow 2.18.1
 # was built with; Horovod with NCCL, MPI and Gloo); CPU with
-#   docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
+#   DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
 # Both install through launch/install.sh, the script `make demo` / `make test`
 # use. The runtime stage has no compilers; it runs as the user hvd and its
 # entrypoint is hvd-train (launch/docker.sh runs horovodrun / sshd instead).
+#
+# No `# syntax=` line: the frontend built into Docker 20.10+ handles
+# RUN --mount, and fetching another one needs a registry. Behind a
+# TLS-inspecting proxy, pass the CA bundle to trust as a BuildKit secret:
+#   --secret id=ca,src=/etc/ssl/certs/ca-certificates.crt
+# Only the download steps mount it (at /run/secrets/ca); no layer keeps it.
+# Without a registry, make the base image first: launch/base-image.sh.
 ARG VARIANT=gpu
 ARG CUDA_TAG=12.5.1-cudnn
 
@@ -12,13 +18,17 @@ ARG CUDA_TAG=12.5.1-cudnn
 FROM nvidia/cuda:${CUDA_TAG}-devel-ubuntu22.04 AS build-gpu
 ENV HVD_TRAIN_GPU=1 PYTHON=python3.11 \
     HOROVOD_CUDA_HOME=/usr/local/cuda HOROVOD_NCCL_LINK=SHARED
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+RUN --mount=type=secret,id=ca \
+    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
+    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3.11 python3.11-dev python3.11-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 FROM debian:bookworm-slim AS build-cpu
 ENV HVD_TRAIN_GPU=0 PYTHON=python3
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+RUN --mount=type=secret,id=ca \
+    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
+    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3 python3-dev python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
@@ -30,17 +40,23 @@ WORKDIR /src
 COPY setup.cfg pyproject.toml README.md Makefile ./
 COPY launch/ launch/
 COPY hvd_train/ hvd_train/
-# The pip and Horovod wheel caches live in a BuildKit cache: rebuilds skip the compile.
-RUN --mount=type=cache,target=/root/.cache bash launch/install.sh
+# The pip and Horovod wheel caches live in a BuildKit cache: rebuilds skip the
+# compile, and no layer keeps them. HVD_TRAIN_CA_BUNDLE: see the top.
+RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
+    HVD_TRAIN_CA_BUNDLE=/run/secrets/ca bash launch/install.sh
 
 # --- runtime stages: Python, Open MPI and sshd, no compilers ------------------
 FROM nvidia/cuda:${CUDA_TAG}-runtime-ubuntu22.04 AS runtime-gpu
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+RUN --mount=type=secret,id=ca \
+    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
+    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3.11 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 FROM debian:bookworm-slim AS runtime-cpu
-RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+RUN --mount=type=secret,id=ca \
+    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
+    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 

@@ -5,7 +5,7 @@ export HVD_TRAIN_VENV := $(abspath $(VENV))
 BIN := $(HVD_TRAIN_VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-docker test-fast lint clean
 
 install:
 	bash launch/install.sh
@@ -15,13 +15,17 @@ demo: install
 
 SHELL_SCRIPTS := launch/install.sh launch/_common.sh launch/mpirun.sh launch/horovodrun.sh launch/docker.sh \
 	launch/discover-hosts.sh launch/discover-slurm.sh launch/aws-spot-watch.sh \
-	launch/slurm.sbatch .ci/run tests/launched/netns-agent
+	launch/slurm.sbatch launch/base-image.sh .ci/run tests/launched/netns-agent
 
 test: install
 	$(BIN)/ruff check hvd_train tests benchmarks
 	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The Docker image, built from this checkout and run (root; installs docker.io).
+test-docker: install
+	$(BIN)/python -m pytest -m docker tests/test_docker.py $(PYTEST_ARGS)
 
 # Unit tests only: no horovodrun / mpirun jobs.
 test-fast: install

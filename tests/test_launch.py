@@ -49,10 +49,19 @@ def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
     )
     assert cmd == "horovodrun -np 8 --gloo -H g1:4\\,g2:4 --network-interface ib0 hvd-train train --data x"
     cmd = dry("docker.sh", "box", "--np", "4", "--mount", "/data", "--", "train", "--data", "/data/x", AWS_PROFILE="p")
-    assert "docker run --rm --gpus all --network host" in cmd and "-v /data:/data" in cmd and "-e AWS_PROFILE" in cmd
-    assert cmd.endswith("--entrypoint horovodrun hvd-train:latest -np 4 --gloo hvd-train train --data /data/x")
+    assert "docker run --rm --network host" in cmd and "-v /data:/data" in cmd and "-e AWS_PROFILE" in cmd
+    assert "--gpus" not in cmd  # no GPU here: the CPU image runs without
+    me = f"{os.getuid()}:{os.getgid()}"
+    tail = "--entrypoint horovodrun hvd-train:latest -np 4 --gloo hvd-train train --data /data/x"
+    assert cmd.endswith(f"--user {me} {tail}")
+    cmd = dry("docker.sh", "box", "--gpus", "all", "--network", "none", "--np", "2", "--", "demo")
+    assert "--network none" in cmd and "--gpus all" in cmd
     cmd = dry("docker.sh", "primary", "--hosts", "n1:8,n2:8", "--", "train", "--data", "s3://b/x/")
     assert "-np 16 --gloo -H n1:8\\,n2:8 -p 12345" in cmd
+    cmd = dry("docker.sh", "worker", "--network", "hvdnet", "--name", "w1", "--ssh-dir", "/keys")
+    assert "--network hvdnet" in cmd and "--name w1 --hostname w1" in cmd and "-v /keys:/home/hvd/.ssh:ro" in cmd
+    proc = run(["bash", LAUNCH / "docker.sh", "worker", "--network", "hvdnet"], timeout=60)
+    assert proc.returncode == 2 and "needs --name" in proc.stderr
     cmd = dry("slurm.sbatch", "--", "train", "--data", "x", SLURM_NTASKS_PER_NODE="4", HVD_TRAIN_IFACE="eth2")
     assert cmd.startswith("mpirun -np 4 --hostfile ") and "btl_tcp_if_include eth2" in cmd
 
@@ -183,6 +192,7 @@ def test_slurm_script_asks_for_an_early_signal_and_passes_it_on():
         "discover-hosts.sh",
         "discover-slurm.sh",
         "aws-spot-watch.sh",
+        "base-image.sh",
     ],
 )
 def test_every_script_has_help(script):
