@@ -63,20 +63,21 @@ def shim_path() -> Path:
 
 
 def _gloo_job() -> tuple[bool, bool]:
-    """(a Gloo-controller job, it spans several hosts), from the launcher's environment."""
+    """(a Gloo-controller job, it spans several machines), from the launcher's environment."""
     env = os.environ
     gloo = "HOROVOD_GLOO_RENDEZVOUS_ADDR" in env or env.get("HOROVOD_CONTROLLER") == "gloo"
     if not gloo:
         return False, False
+    rendezvous = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "")
+    if rendezvous.startswith("127.") or rendezvous in ("localhost", "::1"):
+        # Every rank reaches the rendezvous over loopback: all run on this
+        # machine, even where horovodrun counts "localhost" and "127.0.0.1" as two hosts.
+        return True, False
+    if env.get("HOROVOD_ELASTIC") == "1":
+        return True, True  # hosts may join later
     if "HOROVOD_CROSS_SIZE" in env:
-        multi = int(env["HOROVOD_CROSS_SIZE"]) > 1
-    else:
-        multi = int(env.get("HOROVOD_LOCAL_SIZE", "1")) != int(env.get("HOROVOD_SIZE", "1"))
-    if env.get("HOROVOD_ELASTIC") == "1" and not multi:
-        # Hosts may join later: an elastic job counts as multi-host unless its
-        # rendezvous runs on loopback, i.e. horovodrun saw only this host.
-        multi = not env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.").startswith("127.")
-    return True, multi
+        return True, int(env["HOROVOD_CROSS_SIZE"]) > 1
+    return True, int(env.get("HOROVOD_LOCAL_SIZE", "1")) != int(env.get("HOROVOD_SIZE", "1"))
 
 
 def prepare_rank(argv_given: bool) -> str | None:
