@@ -137,6 +137,15 @@ def test_elastic_refuses_gradient_accumulation():
         config.from_sources(parse(["--data", "d", "--output", "o", "--elastic", "--grad-accum", "2"]))
 
 
+def test_float16_refuses_gradient_accumulation_and_bfloat16_takes_it():
+    # Horovod aggregates gradients locally between allreduces while float16's
+    # loss scale may change: refused, naming the precisions that work.
+    args = ["--data", "d", "--output", "o", "--grad-accum", "2", "--precision"]
+    with pytest.raises(UserError, match="`--grad-accum` is invalid.*mixed_bfloat16 or fp32"):
+        config.from_sources(parse([*args, "mixed_float16"]))
+    assert config.from_sources(parse([*args, "mixed_bfloat16"])).horovod.grad_accum == 2
+
+
 def test_output_inside_data_is_refused(tmp_path):
     with pytest.raises(UserError, match="`--output` is invalid.*inside --data"):
         config.from_sources(parse(["--data", str(tmp_path), "--output", str(tmp_path / "run")]))
