@@ -180,21 +180,29 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
         batch = (images * 2 - 1, labels, tf.zeros((cfg.batch_size,), tf.int64))
         dataset = tf.data.Dataset.from_tensors(batch).cache().repeat()
     iterator = iter(dataset)
+
+    def step() -> None:
+        net.set_flags(False, False, 0.0)
+        _, _, agreed = net.step(iterator)
+        agreed.numpy()  # the step is done on every rank
+
+    return _timed(cfg, ctx, f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}", step)
+
+
+def _timed(cfg: BenchConfig, ctx: Context, label: str, step) -> Timings:
+    """Runs ``step()`` for the warm-up and the timed batches; times the latter, reporting every iteration."""
     warmup, timed = _batches(cfg)
     out = Timings()
-    label = f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}"
-    for step in range(warmup + timed):
+    for i in range(warmup + timed):
         started = time.perf_counter()
-        net.set_flags(False, False, 0.0)
-        logs, _, agreed = net.step(iterator)
-        agreed.numpy()  # the step is done on every rank
+        step()
         seconds = time.perf_counter() - started
-        if step >= warmup:
+        if i >= warmup:
             out.seconds.append(seconds)
             out.rates.append(cfg.batch_size / seconds)
-            if (step - warmup + 1) % cfg.batches_per_iter == 0:
+            if (i - warmup + 1) % cfg.batches_per_iter == 0:
                 recent = out.seconds[-cfg.batches_per_iter :]
-                _report(ctx, label, step - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
+                _report(ctx, label, i - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
     return out
 
 
@@ -231,21 +239,13 @@ def _io(cfg: BenchConfig, ctx: Context, fused: bool) -> Timings:
     """Times the input pipeline alone: batches taken as fast as it makes them."""
     _, dataset = _real_input(cfg, ctx, fused)
     iterator = iter(dataset)
-    warmup, timed = _batches(cfg)
-    out = Timings()
-    label = f"io ({'fused crop decode' if fused else 'whole decode'}) {cfg.image_size}px batch {cfg.batch_size}"
-    for step in range(warmup + timed):
-        started = time.perf_counter()
+
+    def step() -> None:
         images, *_ = next(iterator)
         images.numpy()
-        seconds = time.perf_counter() - started
-        if step >= warmup:
-            out.seconds.append(seconds)
-            out.rates.append(cfg.batch_size / seconds)
-            if (step - warmup + 1) % cfg.batches_per_iter == 0:
-                recent = out.seconds[-cfg.batches_per_iter :]
-                _report(ctx, label, step - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
-    return out
+
+    label = f"io ({'fused crop decode' if fused else 'whole decode'}) {cfg.image_size}px batch {cfg.batch_size}"
+    return _timed(cfg, ctx, label, step)
 
 
 def print_result(result: dict) -> None:

@@ -92,7 +92,7 @@ def pem_bodies(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def image(docker, marker_ca, tmp_path_factory):
+def image(docker, marker_ca):
     bundle, _ = marker_ca
     started = time.time()
     proc = sh(docker, "build", "--build-arg", "VARIANT=cpu", "--secret", f"id=ca,src={bundle}", "-t", IMAGE, REPO,
