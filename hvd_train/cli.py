@@ -28,7 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (train, evaluate, predict, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
+    for sub in subparsers.choices.values():
+        _show_choices(sub)
     return parser
+
+
+def _show_choices(parser: argparse.ArgumentParser) -> None:
+    """Puts the allowed values of every option with choices into its help.
+
+    argparse shows choices only where an option has no metavar; here every
+    option's help says them, before its default.
+    """
+    for action in parser._actions:
+        if not action.choices or not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        allowed = f"one of: {' | '.join(str(c) for c in action.choices)}"
+        if allowed in action.help:
+            continue
+        text, sep, default = action.help.rpartition(" (default: ")
+        if sep:
+            action.help = f"{text} ({allowed}; default: {default}"
+        else:
+            action.help = f"{action.help} ({allowed})"
 
 
 def main(argv: list[str] | None = None) -> int:

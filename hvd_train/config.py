@@ -44,6 +44,10 @@ AUTOTUNE_LOG = "horovod_autotune.csv"
 TIMELINE = "horovod_timeline.json"
 PRECISIONS = ("auto", "fp32", "mixed_float16", "mixed_bfloat16")
 XLA_MODES = ("off", "auto", "jit")
+MODEL_HELP = (
+    "a keras.applications model: ResNet50, resnet50, mobilenet_v2, EfficientNetB0, efficientnet-b0, ... "
+    "(case, '_' and '-' ignored; `hvd-train models` lists them all)"
+)
 
 
 def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
@@ -116,7 +120,7 @@ class ModelConfig:
             pretrained weights and uses 0.9 from scratch.
     """
 
-    name: str = _opt("MobileNetV2", "--model", "keras.applications model name (see `hvd-train models`)")
+    name: str = _opt("MobileNetV2", "--model", MODEL_HELP)
     weights: str = _opt("imagenet", "--weights", "imagenet, none, or the path of a backbone weights file")
     freeze_backbone: bool = _opt(False, "--freeze-backbone", "train only the new classification head")
     trainable_layers: int = _opt(0, "--trainable-layers", "train only the last N backbone layers (0: all)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -132,23 +133,52 @@ def available_models() -> dict[str, ModelSpec]:
     return specs
 
 
+def fold(name: str) -> str:
+    """The key names are matched by: lower case, without ``_``, ``-``, spaces and dots."""
+    return re.sub(r"[-_ .]", "", name).lower()
+
+
 def get_spec(name: str) -> ModelSpec:
-    """The spec of model ``name``.
+    """The spec of model ``name``, typed as people type it.
+
+    ``ResNet50``, ``resnet50``, ``mobilenet_v2``, ``MobileNetV2``,
+    ``efficientnet-b0`` all name a model: case, ``_``, ``-``, spaces and
+    dots are ignored.
 
     Raises:
-        UserError: unknown name; the message suggests close matches.
+        UserError: no model, or several, answer to the name; the message
+            lists the candidates.
     """
     specs = available_models()
     if name in specs:
         return specs[name]
-    folded = {n.lower(): n for n in specs}
-    if name.lower() in folded:
-        return specs[folded[name.lower()]]
+    key = fold(name)
+    by_name = {fold(n): n for n in specs}
+    if key in by_name:
+        return specs[by_name[key]]
+    # Keras' module names: keras.applications.mobilenet_v2 holds MobileNetV2 only,
+    # keras.applications.resnet holds ResNet50, ResNet101 and ResNet152.
+    by_module: dict[str, list[str]] = {}
+    for n, spec in specs.items():
+        by_module.setdefault(fold(spec.module.rsplit(".", 1)[-1]), []).append(n)
+    found = sorted(by_module.get(key, []), key=_natural)
+    if len(found) == 1:
+        return specs[found[0]]
+    if found:
+        shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+        raise UserError(f"model name {name!r} (--model) is ambiguous: it names {shown}; give one of them.")
     import difflib
 
-    close = difflib.get_close_matches(name, list(specs), n=3, cutoff=0.5)
-    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    starting = sorted((n for k, n in by_name.items() if key and k.startswith(key)), key=_natural)
+    close = [by_name[k] for k in difflib.get_close_matches(key, list(by_name), n=3, cutoff=0.5)]
+    candidates = list(dict.fromkeys(starting[:3] + close))[:4]
+    hint = f" Did you mean {', '.join(candidates)}?" if candidates else ""
     raise UserError(f"unknown model {name!r} (--model);{hint} `hvd-train models` lists all.")
+
+
+def _natural(name: str) -> list:
+    """Sort key: ResNet50 before ResNet101."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def resolve_bn(cfg: ModelConfig) -> tuple[str, float]:

@@ -103,6 +103,32 @@ def test_unknown_model(tmp_path):
     assert_one_line_error(proc, "unknown model 'ResNet5O'", "ResNet50")
 
 
+def test_model_names_people_type_are_accepted(tmp_path):
+    # resolved before any data is read: the error is then about the data, not the name
+    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--model", "mobilenet_v2"])
+    assert_one_line_error(proc, str(tmp_path / "d"))
+    assert "--model" not in proc.stderr
+
+
+def test_help_lists_the_choices_of_every_option():
+    import argparse
+
+    from hvd_train.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    checked = 0
+    for name, sub in commands.items():
+        text = sub.format_help()
+        flat = "".join(text.split())  # argparse wraps lines, also at hyphens
+        for action in sub._actions:
+            if action.choices and action.option_strings:
+                listed = " | ".join(str(c) for c in action.choices)
+                assert "".join(f"one of: {listed}".split()) in flat, (name, action.option_strings)
+                checked += 1
+    assert checked >= 15
+
+
 def test_invalid_option_value(tmp_path):
     proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--val-split", "2"])
     assert_one_line_error(proc, "`--val-split`", "val_split=2.0")

@@ -15,6 +15,39 @@ def test_registry_has_the_keras_applications():
     assert get_spec("mobilenetv2").name == "MobileNetV2"
 
 
+@pytest.mark.parametrize(
+    "typed, name",
+    [
+        ("resnet50", "ResNet50"),
+        ("RESNET50", "ResNet50"),
+        ("mobilenet_v2", "MobileNetV2"),
+        ("MobileNetV2", "MobileNetV2"),
+        ("mobilenet-v2", "MobileNetV2"),
+        ("efficientnet-b0", "EfficientNetB0"),
+        ("EfficientNetB0", "EfficientNetB0"),
+        ("efficientnet_v2_s", "EfficientNetV2S"),
+        ("inception_v3", "InceptionV3"),  # a Keras module name with one model in it
+        ("vgg16", "VGG16"),
+    ],
+)
+def test_names_people_type(typed, name):
+    assert get_spec(typed).name == name
+
+
+@pytest.mark.parametrize(
+    "typed, candidates",
+    [
+        ("resnet", "ResNet50, ResNet101, ResNet152"),
+        ("mobilenet_v3", "MobileNetV3Large, MobileNetV3Small"),
+        ("efficientnet", "EfficientNetB0, EfficientNetB1"),
+    ],
+)
+def test_a_module_name_with_several_models_is_ambiguous(typed, candidates):
+    with pytest.raises(UserError, match=f"model name '{typed}' .*is ambiguous: it names {candidates}") as e:
+        get_spec(typed)
+    assert "\n" not in str(e.value)
+
+
 def test_unknown_model_suggests_close_names():
     with pytest.raises(UserError, match="unknown model 'ResNet5' .*Did you mean .*ResNet50"):
         get_spec("ResNet5")

@@ -8,7 +8,7 @@ from hvd_train.commands._common import positive_int
 
 
 def add_parser(subparsers) -> None:
-    from hvd_train.config import AUGMENTATIONS, PRECISIONS, XLA_MODES
+    from hvd_train.config import AUGMENTATIONS, MODEL_HELP, PRECISIONS, XLA_MODES
 
     parser = subparsers.add_parser(
         "bench",
@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--mode", choices=("synthetic", "io", "full"), default="synthetic", help="what to measure")
-    parser.add_argument("--model", default="ResNet50", help="keras.applications model (hvd-train models)")
+    parser.add_argument("--model", default="ResNet50", help=MODEL_HELP)
     parser.add_argument("--image-size", type=positive_int, default=224, help="model input side in pixels")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per worker per step")
     parser.add_argument("--classes", type=positive_int, default=1000, help="outputs of the head (synthetic)")

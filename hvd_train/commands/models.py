@@ -13,4 +13,5 @@ def run(args) -> int:
 
     for name, spec in sorted(available_models().items()):
         print(f"{name:<20} default input {spec.default_size}x{spec.default_size}")
+    print("Names are matched ignoring case, '_' and '-' (resnet50, mobilenet_v2, efficientnet-b0).")
     return 0

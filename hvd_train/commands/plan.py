@@ -10,6 +10,8 @@ DEFAULT_WORKERS = "1,2,4,8,16,32,64,128"
 
 
 def add_parser(subparsers) -> None:
+    from hvd_train.config import MODEL_HELP
+
     parser = subparsers.add_parser(
         "plan",
         help="predict images/s and scaling efficiency for N workers before renting them",
@@ -21,7 +23,7 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--measure-link", action="store_true", help="measure allreduce bandwidth and latency instead")
-    parser.add_argument("--model", default="ResNet50", help="keras.applications model (hvd-train models)")
+    parser.add_argument("--model", default="ResNet50", help=MODEL_HELP)
     parser.add_argument("--classes", type=positive_int, default=1000, help="outputs of the head")
     parser.add_argument("--params", type=int, default=0, help="trainable parameters (0: count them from the model)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="images per worker per step")
