@@ -44,6 +44,7 @@ AUTOTUNE_LOG = "horovod_autotune.csv"
 TIMELINE = "horovod_timeline.json"
 PRECISIONS = ("auto", "fp32", "mixed_float16", "mixed_bfloat16")
 XLA_MODES = ("off", "auto", "jit")
+ALPHA_BACKGROUNDS = ("white", "black", "gray")  # data.images.ALPHA_BACKGROUNDS
 MODEL_HELP = (
     "a keras.applications model: ResNet50, resnet50, mobilenet_v2, EfficientNetB0, efficientnet-b0, ... "
     "(case, '_' and '-' ignored; `hvd-train models` lists them all)"
@@ -68,6 +69,8 @@ class DataConfig:
         augment: training augmentation: ``crop,flip``, ``crop``, ``flip``, ``none``.
         crop_fraction: central fraction kept by the evaluation center crop.
         on_bad_image: ``skip`` unreadable images (and list them) or ``fail``.
+        alpha_background: what transparent pixels are composited over
+            (``white``, ``black``, ``gray``) before anything else.
         s3_endpoint: URL of an S3-compatible store; empty: ``AWS_ENDPOINT_URL`` or AWS.
         s3_concurrency: S3 requests in flight per worker.
         s3_retry_mode: boto3's ``standard`` or ``adaptive`` retries.
@@ -87,6 +90,12 @@ class DataConfig:
     augment: str = _opt("crop,flip", "--augment", "training augmentation", choices=AUGMENTATIONS)
     crop_fraction: float = _opt(0.875, "--crop-fraction", "central fraction kept by the evaluation crop")
     on_bad_image: str = _opt("skip", "--on-bad-image", "what to do with unreadable images", choices=BAD_IMAGE_POLICIES)
+    alpha_background: str = _opt(
+        "white",
+        "--alpha-background",
+        "colour transparent pixels (RGBA, gray+alpha, GIF) are composited over",
+        choices=ALPHA_BACKGROUNDS,
+    )
     s3_endpoint: str = _opt("", "--s3-endpoint", "URL of an S3-compatible store (default: AWS_ENDPOINT_URL or AWS)")
     s3_concurrency: int = _opt(32, "--s3-concurrency", "S3 requests in flight per worker (and pooled connections)")
     s3_retry_mode: str = _opt("standard", "--s3-retry-mode", "boto3 retry mode", choices=S3_RETRY_MODES)

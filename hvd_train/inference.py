@@ -23,6 +23,7 @@ class Trained:
         image_size: side of the square input.
         crop_fraction: the evaluation center crop used in training.
         preprocess: the backbone's ``preprocess_input``.
+        alpha_background: what transparent pixels were composited over in training.
     """
 
     model: object
@@ -30,6 +31,7 @@ class Trained:
     image_size: int
     crop_fraction: float
     preprocess: object
+    alpha_background: str = "white"
 
 
 def load_trained(model_dir: str) -> Trained:
@@ -58,4 +60,5 @@ def load_trained(model_dir: str) -> Trained:
         image_size=int(model.input_shape[1]),
         crop_fraction=float(run_config["data"]["crop_fraction"]),
         preprocess=spec.preprocess_input(),
+        alpha_background=str(run_config["data"].get("alpha_background", "white")),
     )

@@ -246,6 +246,7 @@ class Loop:
             seed=cfg.run.seed,
             threads=self.threads,
             s3=cfg.data.s3_options(),
+            alpha_background=cfg.data.alpha_background,
         )
         self.reader = data.reader
         iterator = iter(data.dataset)
@@ -450,6 +451,7 @@ class Loop:
             preprocess=self.spec.preprocess_input(),
             threads=self.threads,
             s3=cfg.data.s3_options(),
+            alpha_background=cfg.data.alpha_background,
         )
         with _input_errors(self.ctx.rank):
             result = evaluate(self.net.model, dataset, len(self.job.classes), self.ctx, name=name)

@@ -16,9 +16,17 @@ def positive_int(text: str) -> int:
 
 
 def add_trained_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model-dir``, ``--batch-size`` and ``--on-bad-image``."""
+    """``--model-dir``, ``--batch-size``, ``--on-bad-image`` and ``--alpha-background``."""
     parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="images per worker per batch")
     parser.add_argument(
         "--on-bad-image", choices=("skip", "fail"), default="skip", help="skip (and list) or fail on unreadable images"
     )
+    add_alpha_argument(parser, default=None, help="colour under transparent pixels (default: the training run's)")
+
+
+def add_alpha_argument(parser: argparse.ArgumentParser, default: str | None, help: str) -> None:
+    """``--alpha-background white|black|gray``."""
+    from hvd_train.config import ALPHA_BACKGROUNDS
+
+    parser.add_argument("--alpha-background", choices=ALPHA_BACKGROUNDS, default=default, help=help)

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         crop_fraction=trained.crop_fraction,
         preprocess=trained.preprocess,
         s3=s3,
+        alpha_background=args.alpha_background or trained.alpha_background,
     )
     try:
         result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hvd_train.commands._common import add_alpha_argument
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -12,6 +14,7 @@ def add_parser(subparsers) -> None:
         description="Write the images of SRC/<class>/.../<image> into TFRecord shards of about --shard-size "
         "bytes at DST, in a seeded random order, with DST/manifest.json (classes, images per shard, bytes, "
         "SHA-256, record offsets). Unreadable images follow --on-bad-image and are listed in the manifest. "
+        "Images with transparent pixels are stored composited over --alpha-background (as PNG). "
         "The manifest is written last: an interrupted pack leaves no manifest. With --val-split, the held-out "
         "images go to DST/val and the rest to DST/train.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -23,6 +26,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--val-split", type=float, default=0.0, help="fraction of each class packed into DST/val")
     parser.add_argument("--seed", type=int, default=42, help="seed of the split and of the record order")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing shard set at DST")
+    add_alpha_argument(parser, default="white", help="colour transparent pixels are composited over, stored as PNG")
     parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--s3-concurrency", type=int, default=32, help="S3 requests in flight")
     parser.set_defaults(run=run)
@@ -47,5 +51,6 @@ def run(args: argparse.Namespace) -> int:
         s3=s3,
         overwrite=args.overwrite,
         val_split=args.val_split,
+        alpha_background=args.alpha_background,
     )
     return 0

@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 image_size=trained.image_size,
                 crop_fraction=trained.crop_fraction,
                 preprocess=trained.preprocess,
+                alpha_background=args.alpha_background or trained.alpha_background,
             ),
             verbose=0,
         )

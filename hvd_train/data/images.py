@@ -17,23 +17,129 @@ import tensorflow as tf
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 
+# --alpha-background: what transparent pixels are composited over.
+ALPHA_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
+DEFAULT_ALPHA_BACKGROUND = "white"
 
-def decode(contents: tf.Tensor) -> tf.Tensor:
+
+def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> tf.Tensor:
     """Decodes JPEG/PNG/GIF/BMP bytes to an RGB uint8 tensor of shape (h, w, 3).
 
     Grayscale, palette, RGBA, CMYK and 16-bit images come out as 8-bit RGB;
-    an animated GIF gives its first frame.
+    an animated GIF gives its first frame. Images with transparency (RGBA
+    or gray+alpha PNGs, palette PNGs with a transparent colour, 32-bit BMPs,
+    GIFs) are composited over ``background`` (``white``, ``black`` or
+    ``gray``) first: dropping the alpha channel would leave whatever colour
+    the file happens to store under its transparent pixels.
     """
-    image = tf.io.decode_image(contents, channels=3, expand_animations=False, dtype=tf.uint8)
+    value = ALPHA_BACKGROUNDS[background]
+
+    def plain():
+        return tf.io.decode_image(contents, channels=3, expand_animations=False, dtype=tf.uint8)
+
+    def composited(unused_alpha: tf.Tensor | None = None):
+        def decode_rgba():
+            rgba = tf.io.decode_image(contents, channels=4, expand_animations=False, dtype=tf.uint8)
+            alpha = rgba[..., 3]
+            transparent = tf.reduce_any(alpha < 255)
+            if unused_alpha is not None:
+                transparent &= tf.reduce_any(alpha > 0)
+            return tf.cond(transparent, lambda: _composite(rgba, value), lambda: rgba[..., :3])
+
+        return decode_rgba
+
+    def gif():  # TensorFlow's GIF decoder paints transparent pixels black: Pillow knows them
+        image = tf.numpy_function(lambda b: _gif_over(b, value), [contents], tf.uint8, stateful=False)
+        return tf.ensure_shape(image, [None, None, 3])
+
+    def png():  # libpng expands gray+alpha and palette transparency to RGBA
+        return tf.cond(_png_has_alpha(contents), composited(), plain)
+
+    kind = image_kind(contents)
+    image = tf.case(
+        [
+            (tf.equal(kind, "png"), png),
+            # A 32-bit BMP whose fourth byte is 0 everywhere has no alpha (X8R8G8B8), as browsers read it.
+            (tf.equal(kind, "bmp"), composited(unused_alpha=tf.constant(True))),
+            (tf.equal(kind, "gif"), gif),
+        ],
+        default=plain,
+    )
     image.set_shape([None, None, 3])
     return image
+
+
+def image_kind(contents: tf.Tensor) -> tf.Tensor:
+    """``png``, ``gif``, ``bmp`` or ``other``, from the file's first bytes."""
+    return tf.case(
+        [
+            (tf.equal(tf.strings.substr(contents, 0, 8), b"\x89PNG\r\n\x1a\n"), lambda: tf.constant("png")),
+            (tf.equal(tf.strings.substr(contents, 0, 3), b"GIF"), lambda: tf.constant("gif")),
+            (tf.equal(tf.strings.substr(contents, 0, 2), b"BM"), lambda: tf.constant("bmp")),
+        ],
+        default=lambda: tf.constant("other"),
+    )
+
+
+def _png_has_alpha(contents: tf.Tensor) -> tf.Tensor:
+    """Whether a PNG has an alpha channel (colour type 4 or 6) or a tRNS chunk (before its first IDAT).
+
+    libpng's filler alpha is wrong for gray images of 1, 2 or 4 bits, so
+    images without either must not be read through their 4th channel.
+    """
+    colour_type = tf.strings.substr(tf.strings.join([tf.strings.substr(contents, 0, 26), b"\0" * 26]), 25, 1)
+    typed = tf.equal(colour_type, b"\x04") | tf.equal(colour_type, b"\x06")
+    header = tf.strings.split(contents, "IDAT", maxsplit=1)[0]
+    return typed | (tf.size(tf.strings.split(header, "tRNS", maxsplit=1)) > 1)
+
+
+def _composite(rgba: tf.Tensor, value: int) -> tf.Tensor:
+    """``rgba`` over a plain background of grey level ``value``, as 8-bit RGB."""
+    rgb = tf.cast(rgba[..., :3], tf.float32)
+    alpha = tf.cast(rgba[..., 3:], tf.float32) / 255.0
+    return tf.cast(tf.round(rgb * alpha + value * (1.0 - alpha)), tf.uint8)
+
+
+def _gif_over(contents: bytes, value: int):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(contents, np.ndarray):  # a 0-d array from tf.numpy_function
+        contents = contents.item()
+    with Image.open(io.BytesIO(contents)) as im:
+        im.seek(0)
+        rgba = im.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (value, value, value, 255))
+    return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"), dtype=np.uint8)
+
+
+def flatten_alpha(contents: bytes, background: str = DEFAULT_ALPHA_BACKGROUND) -> bytes | None:
+    """PNG bytes of the image composited over ``background``, or None when it has no transparent pixel.
+
+    Used when packing shards, so that the shards hold what training sees.
+    """
+    if not contents.startswith((b"\x89PNG", b"BM", b"GIF")):
+        return None
+    over = {b: decode(tf.constant(contents), b) for b in ("white", "black")}
+    if bool(tf.reduce_all(over["white"] == over["black"])):
+        return None  # no pixel shows its background
+    flat = over.get(background)
+    return tf.io.encode_png(decode(tf.constant(contents), background) if flat is None else flat).numpy()
 
 
 Window = Callable[[tf.Tensor], tf.Tensor]
 """``f(height_width) -> [top, left, height, width]``: the part of an image to keep."""
 
 
-def decode_window(contents: tf.Tensor, window: Window, fused: bool = True, min_side: int = 0) -> tf.Tensor:
+def decode_window(
+    contents: tf.Tensor,
+    window: Window,
+    fused: bool = True,
+    min_side: int = 0,
+    background: str = DEFAULT_ALPHA_BACKGROUND,
+) -> tf.Tensor:
     """Decodes the part of an image that ``window`` picks, as RGB uint8.
 
     A JPEG is decoded only inside the window (``decode_and_crop_jpeg``, as
@@ -47,10 +153,11 @@ def decode_window(contents: tf.Tensor, window: Window, fused: bool = True, min_s
     Args:
         fused: False decodes JPEGs whole too (the reference for benchmarks and tests).
         min_side: the side the crop will be resized to (0: decode at full scale).
+        background: what transparent pixels are composited over (see ``decode``).
     """
 
     def whole():
-        image = decode(contents)
+        image = decode(contents, background)
         top, left, height, width = tf.unstack(window(tf.shape(image)[:2]))
         return tf.slice(image, tf.stack([top, left, 0]), tf.stack([height, width, 3]))
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 from hvd_train.data import shards, storage
 from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet
-from hvd_train.data.images import Window, decode_window
+from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window
 from hvd_train.data.sharding import Segment, Strided, epoch_order
 from hvd_train.data.shards import ShardSet
 
@@ -68,6 +68,7 @@ def train_input(
     threads: int = 0,
     s3: storage.S3Options | None = None,
     fused_jpeg: bool = True,
+    alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
 ) -> TrainInput:
     """Rank ``rank``'s batches for ``segments`` (each from its first step on).
 
@@ -80,13 +81,14 @@ def train_input(
             epoch, then whole epochs.
         s3: how to reach S3, for ``s3://`` images and shard sets.
         fused_jpeg: decode only the crop of a JPEG (False: decode whole, then crop).
+        alpha_background: what transparent pixels are composited over (``images.decode``).
     """
     segments = tuple(segments)
     batches = {seg.batch for seg, _ in segments}
     if len(batches) > 1:
         raise ValueError(f"`segments` must share one batch size. Received: {sorted(batches)}")
     batch = batches.pop() if batches else 1
-    augmenter = _augmenter(augment, image_size, seed, fused_jpeg)
+    augmenter = _augmenter(augment, image_size, seed, fused_jpeg, alpha_background)
     n = len(data)
     if isinstance(data, ShardSet):
         reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(data.url))
@@ -174,7 +176,7 @@ def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: 
     return reader.dataset(stream, spec).unbatch()
 
 
-def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True):
+def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True, background: str = "white"):
     """``f(encoded image, key index)``: decode and augment, drawn from ``(seed, key index)``."""
     flips = "flip" in augment
     crops = "crop" in augment
@@ -183,7 +185,7 @@ def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True
         key = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), key_index)
         crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key, 2))
         window = random_crop_window(crop_key) if crops else center_window(1.0)
-        image = _resize(decode_window(contents, window, fused_jpeg, min_side=image_size), image_size)
+        image = _resize(decode_window(contents, window, fused_jpeg, image_size, background), image_size)
         if flips:
             image = tf.image.stateless_random_flip_left_right(image, flip_key)
         return image
@@ -249,6 +251,7 @@ def eval_dataset(
     preprocess: Preprocess,
     threads: int = 0,
     s3: storage.S3Options | None = None,
+    alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
 ) -> tf.data.Dataset:
     """Builds rank ``rank``'s share of held-out images: no padding, no drops.
 
@@ -259,7 +262,8 @@ def eval_dataset(
     s3 = s3 or storage.S3Options()
 
     def center(contents):
-        return _resize(decode_window(contents, center_window(crop_fraction), min_side=image_size), image_size)
+        window = center_window(crop_fraction)
+        return _resize(decode_window(contents, window, min_side=image_size, background=alpha_background), image_size)
 
     if isinstance(data, ShardSet):
         reader = StreamReader(s3, local=not storage.is_s3(data.url))
@@ -300,16 +304,23 @@ def eval_dataset(
 
 
 def predict_dataset(
-    paths: list[str], *, batch_size: int, image_size: int, crop_fraction: float, preprocess: Preprocess
+    paths: list[str],
+    *,
+    batch_size: int,
+    image_size: int,
+    crop_fraction: float,
+    preprocess: Preprocess,
+    alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
 ) -> tf.data.Dataset:
     """Batches of preprocessed images in ``paths`` order, for prediction."""
+    window = center_window(crop_fraction)
+
+    def load(path):
+        contents = tf.io.read_file(path)
+        return _resize(decode_window(contents, window, min_side=image_size, background=alpha_background), image_size)
+
     ds = tf.data.Dataset.from_tensor_slices(tf.constant(paths, dtype=tf.string))
-    ds = ds.map(
-        lambda p: _resize(
-            decode_window(tf.io.read_file(p), center_window(crop_fraction), min_side=image_size), image_size
-        ),
-        num_parallel_calls=tf.data.AUTOTUNE,
-    )
+    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE)
     return ds.batch(batch_size).map(preprocess).prefetch(tf.data.AUTOTUNE)
 
 

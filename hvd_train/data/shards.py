@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from hvd_train.data import storage
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
-from hvd_train.data.images import report_bad_images, sort_out
+from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -122,6 +122,8 @@ class ShardSet:
         shards: the shards in manifest order.
         label_map: maps the set's own labels to the training classes'.
         class_counts: images per class (of ``classes``).
+        alpha_background: what ``pack`` composited transparent images over
+            ("" for sets packed before it did).
     """
 
     url: str
@@ -129,6 +131,7 @@ class ShardSet:
     shards: tuple[Shard, ...]
     label_map: tuple[int, ...]
     class_counts: tuple[int, ...]
+    alpha_background: str = ""
 
     def __len__(self) -> int:
         return sum(s.images for s in self.shards)
@@ -180,7 +183,14 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
     counts = [0] * len(classes)
     for c, n in zip(own, manifest["class_counts"]):
         counts[classes.index(c)] += int(n)
-    return ShardSet(store.url, list(classes), shards, tuple(classes.index(c) for c in own), tuple(counts))
+    return ShardSet(
+        store.url,
+        list(classes),
+        shards,
+        tuple(classes.index(c) for c in own),
+        tuple(counts),
+        str(manifest.get("alpha_background", "")),
+    )
 
 
 def parse_size(text: str) -> int:
@@ -208,11 +218,14 @@ def pack(
     s3: storage.S3Options,
     overwrite: bool = False,
     val_split: float = 0.0,
+    alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
 ) -> dict[str, dict]:
     """Packs the labelled folder ``src`` into shards at ``dst``.
 
     With ``val_split``, ``val_split`` of each class goes to ``dst/val`` and
-    the rest to ``dst/train`` (MXNet's im2rec ``--train-ratio``).
+    the rest to ``dst/train`` (MXNet's im2rec ``--train-ratio``). Images
+    with transparent pixels are stored composited over
+    ``alpha_background``, as PNG; all others byte for byte.
 
     Returns:
         The manifests written, by destination.
@@ -237,12 +250,12 @@ def pack(
             out.delete(MANIFEST)
     source = storage.open_store(src, s3)
     return {
-        out.url: _pack_set(part, source, out, shard_size, on_bad_image, seed, s3, src)
+        out.url: _pack_set(part, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background)
         for out, (_, part) in zip(outs, parts)
     }
 
 
-def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src) -> dict:
+def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background) -> dict:
     root = source.url.rstrip("/") + "/"
     order = np.random.default_rng(seed).permutation(len(images))
     fetcher = storage.Fetcher(s3.concurrency if storage.is_s3(src) else 8)
@@ -254,7 +267,11 @@ def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src) -> d
     bad: list[tuple[str, str]] = []
     counts = np.zeros(len(images.classes), dtype=np.int64)
     started = time.perf_counter()
+    composited = 0
     for i, contents in _checked(fetcher.stream(order.tolist(), read), images, bad, on_bad_image):
+        flat = flatten_alpha(contents, alpha_background)
+        if flat is not None:
+            contents, composited = flat, composited + 1
         writer.add(example(contents, images.labels[i], images.paths[i][len(root) :]))
         counts[images.labels[i]] += 1
     writer.close()
@@ -271,6 +288,8 @@ def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src) -> d
         "images": int(counts.sum()),
         "bytes": sum(s["bytes"] for s in writer.shards),
         "seed": seed,
+        "alpha_background": alpha_background,
+        "composited": composited,
         "source": storage.redact_url(src),
         "skipped": [{"path": p, "reason": r} for p, r in bad],
         "shards": writer.shards,
@@ -278,7 +297,7 @@ def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src) -> d
     out.write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     seconds = time.perf_counter() - started
     log.info(
-        "packed %d images (%d classes) into %d shard(s), %.1f MB, at %s in %.1f s (%.0f images/s)%s",
+        "packed %d images (%d classes) into %d shard(s), %.1f MB, at %s in %.1f s (%.0f images/s)%s%s",
         manifest["images"],
         len(images.classes),
         len(writer.shards),
@@ -287,6 +306,7 @@ def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src) -> d
         seconds,
         manifest["images"] / max(seconds, 1e-9),
         f"; skipped {len(bad)} unreadable image(s)" if bad else "",
+        f"; {composited} with transparency composited over {alpha_background}" if composited else "",
     )
     return manifest
 

@@ -56,6 +56,19 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
         return train, None
 
     train, val = ctx.on_root(listing, name="list_data")
+    for data, flag in ((train, "--data"), (val, "--val-data")):
+        packed = getattr(data, "alpha_background", "")
+        if packed and packed != cfg.alpha_background and ctx.is_root:
+            log.warning(
+                "%s %s was packed with transparent pixels composited over %s; --alpha-background %s "
+                "cannot change that: pack it again with --alpha-background %s, or pass --alpha-background %s",
+                flag,
+                data.url,
+                packed,
+                cfg.alpha_background,
+                cfg.alpha_background,
+                packed,
+            )
     train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3)
     if val is not None:
         val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3)
