@@ -380,6 +380,12 @@ def versions() -> dict[str, str]:
     import horovod
     import tensorflow as tf
 
+    from hvd_train import __version__
     from hvd_train.compat import keras
 
-    return {"tensorflow": tf.__version__, "keras": keras.__version__, "horovod": horovod.__version__}
+    return {
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "horovod": horovod.__version__,
+        "hvd_train": __version__,
+    }

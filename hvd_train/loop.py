@@ -223,7 +223,8 @@ class Loop:
         if ctx.is_root:
             # Horovod: only rank 0 writes files and prints progress (rank 0 may be
             # another process than before an elastic reset).
-            self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard)
+            title = f"{self.spec.name}: {ctx.size} worker(s) x batch {plan.batch_size}"
+            self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard, title)
             self.reporters.truncate(state.epoch)
         else:
             self.reporters = None

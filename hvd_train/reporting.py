@@ -1,4 +1,4 @@
-"""What rank 0 writes and prints after every epoch: metrics.csv, TensorBoard, progress.
+"""What rank 0 writes and prints after every epoch: metrics.csv, curves.png, TensorBoard, progress.
 
 Every writer is idempotent per epoch: writing epoch ``e`` again (after a
 resume, or after an elastic job rolled back) replaces its row instead of
@@ -11,10 +11,23 @@ import csv
 import os
 import sys
 import time
+from collections.abc import Callable
 
+from hvd_train import plots
 from hvd_train.log import get_logger
 
 log = get_logger("train")
+
+
+def draw(path: str, plot: Callable[[], None]) -> bool:
+    """Draws the picture ``path`` with ``plot()``; a failure is a warning, never the end of a run."""
+    try:
+        plot()
+        return True
+    except Exception as e:  # matplotlib raises many types (fonts, memory, disk)
+        log.warning("could not draw %s: %s", path, e)
+        return False
+
 
 METRIC_COLUMNS = (
     "epoch",
@@ -114,14 +127,18 @@ class Progress:
 class Reporters:
     """Rank 0's writers of one run."""
 
-    def __init__(self, output: str, epochs: int, tensorboard: bool):
+    def __init__(self, output: str, epochs: int, tensorboard: bool, title: str = ""):
         self.csv = MetricsCSV(os.path.join(output, "metrics.csv"))
+        self.curves = os.path.join(output, plots.CURVES)
+        self.title = title
         self.tensorboard = TensorBoard(os.path.join(output, "tensorboard")) if tensorboard else None
         self.progress = Progress(epochs)
 
     def epoch_end(self, epoch: int, logs: dict) -> None:
         """Writes epoch ``epoch`` (0-based) everywhere."""
         self.csv.write(epoch + 1, logs)
+        rows = self.csv.rows()
+        draw(self.curves, lambda: plots.curves(rows, self.curves, self.title))
         if self.tensorboard is not None:
             self.tensorboard.write(epoch + 1, logs)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import checkpoints, compute, distributed
+from hvd_train import checkpoints, compute, distributed, plots
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import TrainConfig
@@ -36,6 +36,7 @@ from hvd_train.log import get_logger
 from hvd_train.loop import History, Job, Loop, fresh_state, median_rate
 from hvd_train.models import build_model, get_spec, resolve_bn
 from hvd_train.preemption import StopRequests
+from hvd_train.reporting import draw
 from hvd_train.state import TrainState
 
 log = get_logger("train")
@@ -366,6 +367,9 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
         _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
         _write_json(os.path.join(cfg.run.output, "summary.json"), summary)
         if final is not None:
+            path = os.path.join(cfg.run.output, plots.CONFUSION)
+            draw(path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)"))
+        if final is not None:
             log.info(
                 "held-out accuracy %.4f (top-%d %.4f) on %d images; %.1f images/s on %d worker(s)",
                 final.accuracy,
@@ -388,6 +392,8 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "val_top_k": final.k if final else None,
         "val_loss": final.loss if final else None,
         "val_images": final.count if final else 0,
+        "val_per_class_accuracy": dict(zip(job.classes, final.per_class_accuracy())) if final else None,
+        "val_confusion_matrix": final.confusion.tolist() if final else None,
         "world_size": ctx.size,
         "batch_size": state.batch_size,
         "global_batch": state.global_batch,

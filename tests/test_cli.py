@@ -49,6 +49,33 @@ def test_outputs_of_a_run(trained_run, demo_small):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002"]
     assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert "held-out accuracy" in proc.stderr
+    assert sum(map(sum, summary["val_confusion_matrix"])) == 25
+    assert list(summary["val_per_class_accuracy"]) == classes
+    for name, size in (("curves.png", (1100, 700)), ("confusion.png", None)):
+        with Image.open(out / name) as im:
+            im.load()
+            assert im.format == "PNG" and (size is None or im.size == size), name
+
+
+def test_report_in_a_real_browser(trained_run, tmp_path):
+    from browser import render
+
+    out, _ = trained_run
+    proc = cli(["report", out, "--output", tmp_path / "report.html"])
+    assert proc.returncode == 0, output_of(proc)
+    seen = render(tmp_path / "report.html", tmp_path / "screenshot.png")
+    assert seen.console_errors == [] and seen.failed == []
+    assert seen.requests == [(tmp_path / "report.html").as_uri()]  # self-contained: nothing else is fetched
+    assert [alt for alt, *_ in seen.images] == ["training curves", "confusion matrix, held-out (25 images)"]
+    assert all(complete and width > 300 and height > 300 for _, complete, width, height in seen.images)
+    summary = read_json(out / "summary.json")
+    for text in ("Summary", f"{summary['val_accuracy']:.4f}", "Accuracy per class, worst first", "tensorflow"):
+        assert text.lower() in seen.text.lower(), text
+    for name in json.loads((out / "labels.json").read_text()):
+        assert name in seen.text
+    with Image.open(tmp_path / "screenshot.png") as shot:
+        assert shot.size[0] == 1280 and shot.size[1] > 2000
+        assert len(shot.convert("L").getcolors(1 << 16)) > 50  # drawn, not blank
 
 
 def test_evaluate_reports_every_image(trained_run, demo_small, tmp_path):
@@ -61,6 +88,8 @@ def test_evaluate_reports_every_image(trained_run, demo_small, tmp_path):
     assert sum(map(sum, result["confusion_matrix"])) == 115
     assert set(result["per_class_accuracy"]) == set(result["classes"])
     assert f"accuracy  {result['accuracy']:.4f}" in proc.stdout
+    with Image.open(tmp_path / "confusion.png") as im:  # drawn beside the report
+        assert im.format == "PNG"
 
 
 def test_predict_writes_csv(trained_run, demo_small, tmp_path):

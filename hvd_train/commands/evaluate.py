@@ -21,12 +21,15 @@ def add_parser(subparsers) -> None:
         "--data", required=True, help="labelled image folder or shard set, local or s3://, classes as in training"
     )
     parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
-    parser.add_argument("--report", help="JSON file to write (default: MODEL_DIR/evaluation.json)")
+    parser.add_argument(
+        "--report",
+        help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed
+    from hvd_train import distributed, plots
     from hvd_train.data.pipeline import eval_dataset, input_failure
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
+    from hvd_train.reporting import draw
 
     ctx = distributed.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
@@ -86,5 +90,7 @@ def run(args: argparse.Namespace) -> int:
     print("confusion matrix (rows: true class, columns: predicted)")
     for name, row in zip(trained.classes, result.confusion.tolist()):
         print(f"  {name:<{width}}  " + " ".join(f"{n:5d}" for n in row))
-    get_logger().info("wrote %s", path)
+    picture = os.path.join(os.path.dirname(os.path.abspath(path)), plots.CONFUSION)
+    drawn = draw(picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}"))
+    get_logger().info("wrote %s%s", path, f" and {picture}" if drawn else "")
     return 0

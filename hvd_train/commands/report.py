@@ -1,0 +1,27 @@
+"""``hvd-train report RUN_DIR``: one self-contained HTML page about a run."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="write RUN_DIR/report.html: summary, curves, confusion matrix, per-class accuracy, throughput",
+        description="Write one self-contained HTML page about a training run: the summary, the training curves, "
+        "the confusion matrix and per-class accuracy (worst classes first), throughput per epoch, world size "
+        "and versions, and the resolved configuration. The pictures are embedded: the page loads nothing else.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output folder of `hvd-train train`")
+    parser.add_argument("--output", help="where to write the page (default: RUN_DIR/report.html)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hvd_train import report
+    from hvd_train.log import get_logger
+
+    path = report.write(args.run_dir, args.output)
+    get_logger().info("wrote %s", path)
+    return 0

@@ -1,0 +1,165 @@
+"""Pictures of a run: training curves, the confusion matrix, the learning-rate range test.
+
+Drawn with matplotlib's Agg backend (no display needed) through its
+object-oriented API, so nothing touches pyplot's global state. Every
+picture is written to a temporary file and renamed into place: a reader
+(a browser refreshing ``curves.png`` mid-run) never sees half an image.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+CURVES = "curves.png"
+CONFUSION = "confusion.png"
+LR_FIND = "lr_find.png"
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path, dpi: int = 100) -> None:
+    """Writes ``fig`` as PNG to the file ``path`` (atomically) or to a binary file object."""
+    if not isinstance(path, str | os.PathLike):
+        fig.savefig(path, format="png", dpi=dpi)
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plot-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=dpi)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _column(rows: Sequence[dict], key: str) -> np.ndarray:
+    """The values of ``key``, NaN where a row has none."""
+    values = []
+    for row in rows:
+        text = row.get(key, "")
+        values.append(float(text) if text not in ("", None) else math.nan)
+    return np.asarray(values, dtype=float)
+
+
+def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
+    """``curves.png``: loss, accuracy (training and held-out), learning rate and images/s per epoch.
+
+    Args:
+        rows: the rows of ``metrics.csv`` (strings, as ``csv.DictReader`` gives them).
+    """
+    epochs = _column(rows, "epoch")
+    fig = _figure(11, 7)
+    if title:
+        fig.suptitle(title)
+    axes = fig.subplots(2, 2)
+    panels = (
+        (axes[0, 0], "loss", (("loss", "training"), ("val_loss", "held-out")), False),
+        (axes[0, 1], "accuracy", (("accuracy", "training"), ("val_accuracy", "held-out")), False),
+        (axes[1, 0], "learning rate (end of epoch)", (("lr", "learning rate"),), True),
+        (axes[1, 1], "images/s (all workers)", (("images_per_sec", "images/s"),), False),
+    )
+    for ax, name, series, log_scale in panels:
+        drawn = False
+        for key, label in series:
+            values = _column(rows, key)
+            if np.isfinite(values).any():
+                ax.plot(epochs, values, marker="o", markersize=3, label=label)
+                drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
+        elif log_scale and np.nanmin(_column(rows, series[0][0])) > 0:
+            ax.set_yscale("log")
+        if name == "accuracy":
+            ax.set_ylim(0, 1.02)
+        ax.set_title(name)
+        ax.set_xlabel("epoch")
+        ax.grid(True, alpha=0.3)
+        if len(series) > 1 and drawn:
+            ax.legend()
+        if len(epochs):
+            ax.set_xlim(0.5, max(epochs.max(), 1) + 0.5)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+    _save(fig, path)
+
+
+def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str = "") -> None:
+    """``confusion.png``: rows are true classes, columns predictions, colour the share of each row.
+
+    Readable from 2 to 100+ classes: the figure grows with the classes,
+    counts are written in the cells while they fit, long names are
+    shortened.
+    """
+    matrix = np.asarray(matrix, dtype=np.int64)
+    n = len(classes)
+    totals = matrix.sum(axis=1, keepdims=True)
+    share = np.divide(matrix, totals, out=np.zeros(matrix.shape, dtype=float), where=totals > 0)
+    cell = 0.42 if n <= 20 else 0.2  # inches per class
+    names = [c if len(c) <= 28 else c[:27] + "…" for c in classes]
+    margin = 1.5 + 0.075 * max((len(c) for c in names), default=4)
+    side = max(5.0, n * cell + margin)
+    fig = _figure(side + 1.2, side)
+    ax = fig.add_subplot()
+    image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
+    fig.colorbar(image, ax=ax, fraction=0.04, label="share of the true class")
+    font = 9 if n <= 20 else max(5, 9 - n // 40)
+    ax.set_xticks(range(n), names, rotation=90, fontsize=font)
+    ax.set_yticks(range(n), names, fontsize=font)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    if n <= 30:
+        for t in range(n):
+            for p in range(n):
+                if matrix[t, p]:
+                    dark = share[t, p] > 0.55
+                    ax.text(
+                        p,
+                        t,
+                        str(matrix[t, p]),
+                        ha="center",
+                        va="center",
+                        fontsize=font - 1,
+                        color="white" if dark else "black",
+                    )
+    correct = int(np.trace(matrix))
+    count = int(matrix.sum())
+    heading = f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%})"
+    ax.set_title(heading)
+    _save(fig, path, dpi=100)
+
+
+def lr_find(
+    lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float], suggestion: float | None, path: str
+) -> None:
+    """``lr_find.png``: loss against learning rate (log scale), with the suggested rate marked."""
+    fig = _figure(8, 5)
+    ax = fig.add_subplot()
+    ax.plot(lrs, losses, color="lightgray", label="loss of each step")
+    ax.plot(lrs, smoothed, color="C0", label="smoothed")
+    if suggestion:
+        ax.axvline(suggestion, color="C3", linestyle="--", label=f"suggested base lr {suggestion:.3g}")
+    finite = np.asarray(smoothed, dtype=float)
+    finite = finite[np.isfinite(finite)]
+    if finite.size:
+        low, high = finite.min(), finite[: max(1, finite.size // 10)].mean()
+        ax.set_ylim(low - 0.1 * abs(high - low) - 1e-3, high + 1.5 * abs(high - low) + 1e-3)
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate of one worker")
+    ax.set_ylabel("training loss")
+    ax.set_title("learning-rate range test")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    _save(fig, path)
