@@ -18,7 +18,7 @@ from hvd_train.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hvd_train.commands import bench, demo, doctor, evaluate, models, pack, plan, predict, report, train
+    from hvd_train.commands import bench, demo, doctor, evaluate, lr_find, models, pack, plan, predict, report, train
 
     parser = argparse.ArgumentParser(
         prog="hvd-train",
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hvd_train {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, evaluate, predict, report, pack, bench, plan, models, doctor, demo):
+    for module in (train, lr_find, evaluate, predict, report, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
     for sub in subparsers.choices.values():
         _show_choices(sub)

@@ -35,6 +35,7 @@ from hvd_train.errors import UserError
 
 AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
 BN_MODES = ("auto", "inference", "train")
+HEAD_NORMS = ("auto", "layer", "none")
 LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam")
 BAD_IMAGE_POLICIES = ("skip", "fail")
@@ -121,6 +122,14 @@ class ModelConfig:
         freeze_backbone: train only the new head.
         trainable_layers: train only the last N backbone layers (0: all).
         dropout: dropout rate before the new Dense layer.
+        head_norm: ``layer``: the pooled features are layer-normalised before
+            the new Dense layer, so the head learns at the same rates whatever
+            the scale of the backbone's features (a frozen VGG16's are large
+            enough to make SGD at 0.01 diverge); ``none``: the plain head;
+            ``auto``: ``layer`` with ``--freeze-backbone``, else ``none`` (a
+            backbone that trains behind the normalisation gets its gradients
+            divided by its features' spread: from scratch, small features and
+            huge steps).
         bn_mode: backbone BatchNormalization during training: ``inference``
             (moving statistics frozen, Keras' fine-tuning advice), ``train``,
             or ``auto`` (inference with pretrained weights, train from scratch).
@@ -134,6 +143,12 @@ class ModelConfig:
     freeze_backbone: bool = _opt(False, "--freeze-backbone", "train only the new classification head")
     trainable_layers: int = _opt(0, "--trainable-layers", "train only the last N backbone layers (0: all)")
     dropout: float = _opt(0.2, "--dropout", "dropout rate before the new Dense layer")
+    head_norm: str = _opt(
+        "auto",
+        "--head-norm",
+        "normalisation of the pooled features before the new Dense layer (auto: layer with --freeze-backbone)",
+        choices=HEAD_NORMS,
+    )
     bn_mode: str = _opt("auto", "--bn-mode", "backbone BatchNormalization mode", choices=BN_MODES)
     bn_momentum: float = _opt(0.0, "--bn-momentum", "BatchNormalization momentum when it trains (0: auto)")
 
@@ -146,6 +161,9 @@ class OptimConfig:
         optimizer: ``sgd`` (with momentum) or ``adam``.
         base_lr: learning rate of one worker with ``batch_size`` images; it is
             scaled linearly with the global batch (Goyal et al., 2017).
+            ``auto``: rank 0 runs the learning-rate range test (``lr_find``)
+            on the run's model and data first, and every rank uses its
+            suggestion.
         momentum: SGD momentum.
         warmup_epochs: epochs of linear warmup from ``base_lr`` to the scaled rate.
         lr_schedule: after warmup: ``cosine`` decay to 0, ``step`` drops, or ``constant``.
@@ -155,7 +173,13 @@ class OptimConfig:
     """
 
     optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)
-    base_lr: float = _opt(0.01, "--base-lr", "learning rate for one worker; scaled by the number of workers")
+    base_lr: float | str = _opt(
+        0.01,
+        "--base-lr",
+        "learning rate for one worker, scaled by the number of workers; auto: found by the learning-rate "
+        "range test (hvd-train lr-find) on rank 0 before training",
+        words=("auto",),
+    )
     momentum: float = _opt(0.9, "--momentum", "SGD momentum")
     warmup_epochs: float = _opt(2.0, "--warmup-epochs", "epochs of gradual warmup to the scaled learning rate")
     lr_schedule: str = _opt("cosine", "--lr-schedule", "schedule after warmup", choices=LR_SCHEDULES)
@@ -317,7 +341,12 @@ class TrainConfig:
             m.trainable_layers,
             "drop it or --freeze-backbone: they contradict",
         )
-        _require(o.base_lr > 0 and math.isfinite(o.base_lr), "--base-lr", o.base_lr, "use a number > 0")
+        _require(
+            o.base_lr == "auto" or (o.base_lr > 0 and math.isfinite(o.base_lr)),
+            "--base-lr",
+            o.base_lr,
+            "use a number > 0, or auto",
+        )
         _require(0.0 <= o.momentum < 1.0, "--momentum", o.momentum, "use [0, 1)")
         _require(o.warmup_epochs >= 0, "--warmup-epochs", o.warmup_epochs, "use a number >= 0")
         _require(0.0 < o.lr_drop_factor <= 1.0, "--lr-drop-factor", o.lr_drop_factor, "use (0, 1]")
@@ -406,6 +435,25 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in SECTIONS}
 
 
+def _field(section_cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(section_cls) if f.name == name)
+
+
+def _number_or(words: tuple[str, ...], typ: type):
+    """An argparse type: one of ``words``, or a ``typ``."""
+
+    def parse(text: str):
+        if text in words:
+            return text
+        try:
+            return typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"use a number or {' or '.join(words)}. Received: {text!r}") from None
+
+    parse.__name__ = typ.__name__
+    return parse
+
+
 def _field_type(section_cls: type, name: str) -> type:
     hint = typing.get_type_hints(section_cls)[name]
     if isinstance(hint, types.UnionType):  # e.g. int | None
@@ -432,7 +480,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if typ is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = typ
+                kwargs["type"] = _number_or(f.metadata["words"], typ) if "words" in f.metadata else typ
                 kwargs["metavar"] = f.name.upper()
                 if "choices" in f.metadata:
                     kwargs["choices"] = f.metadata["choices"]
@@ -470,7 +518,8 @@ def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
         kwargs = {}
         for name, value in values.get(section, {}).items():
             typ = _field_type(cls, name)
-            kwargs[name] = _coerce(value, typ, f"{section}.{name}")
+            words = _field(cls, name).metadata.get("words", ())
+            kwargs[name] = value if value in words else _coerce(value, typ, f"{section}.{name}")
         sections[section] = cls(**kwargs)
     return TrainConfig(**sections)
 

@@ -148,7 +148,7 @@ def lr_find(
     fig = _figure(8, 5)
     ax = fig.add_subplot()
     ax.plot(lrs, losses, color="lightgray", label="loss of each step")
-    ax.plot(lrs, smoothed, color="C0", label="smoothed")
+    ax.plot(lrs, smoothed, color="C0", label="centred moving average")
     if suggestion:
         ax.axvline(suggestion, color="C3", linestyle="--", label=f"suggested base lr {suggestion:.3g}")
     finite = np.asarray(smoothed, dtype=float)

@@ -172,8 +172,11 @@ def render(run: dict) -> str:
         ["weights identical on every rank", summary.get("weights_identical_across_ranks")],
         ["resumed from", summary.get("resumed_from")],
     ]
-    if summary.get("base_lr_found"):
-        rows.append(["base learning rate found by lr-find", summary["base_lr_found"]])
+    if summary.get("base_lr") is not None:
+        found = config.get("optim", {}).get("base_lr") == "auto"
+        rows.append(
+            [f"base learning rate, one worker{' (--base-lr auto: lr-find)' if found else ''}", summary["base_lr"]]
+        )
     body.append(_table(["", ""], [r for r in rows if r[1] is not None]))
 
     body.append("<h2>Training curves</h2>")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import checkpoints, compute, distributed, plots
+from hvd_train import checkpoints, compute, distributed, lr_find, plots
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import TrainConfig
@@ -72,7 +73,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             job, net, state, history = training.job, training.net, training.state, training.history
         else:
             prepare_output(cfg, ctx)
-            job = load_data(cfg, ctx)
+            job = resolve_base_lr(load_data(cfg, ctx), ctx)
             net = build_net(job, ctx)
             state, history = start_state(job, ctx, net)
             fit(job, ctx, net, state, stop, history)
@@ -131,6 +132,47 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     if ctx.is_root:
         _write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
     return job
+
+
+def resolve_base_lr(job: Job, ctx: Context) -> Job:
+    """``--base-lr auto``: rank 0 runs the learning-rate range test; every rank gets its suggestion.
+
+    A resumed run keeps the rate its first attempt found (``lr_find.json``),
+    so the schedule it resumes is the one its checkpoint was made with.
+    """
+    cfg = job.cfg
+    if cfg.optim.base_lr != "auto":
+        return job
+
+    def find() -> float:
+        out = cfg.run.output
+        if cfg.run.resume and checkpoints.latest(out) is not None:
+            saved = lr_find.saved_suggestion(out)
+            if saved:
+                log.info("--base-lr auto: %.4g, as found by this run's range test (%s)", saved, lr_find.RESULT)
+                return saved
+        log.info("--base-lr auto: the learning-rate range test runs on rank 0 first (up to %d steps)", lr_find.STEPS)
+        sweep = lr_find.run(job, threads=distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank))
+        lr_find.write(sweep, out)
+        if sweep.suggestion is None:
+            raise UserError(
+                f"--base-lr auto: the training loss did not fall at any learning rate from {lr_find.START:g} to "
+                f"{lr_find.END:g} ({sweep.stopped}; see {os.path.join(out, 'lr_find.png')}); check the data and "
+                f"labels, or pass --base-lr with a number."
+            )
+        log.info(
+            "--base-lr auto: %.4g per worker (range test: %d steps in %.0f s, %s; lowest loss at %.3g)",
+            sweep.suggestion,
+            len(sweep.lrs),
+            sweep.seconds,
+            sweep.stopped,
+            sweep.suggestion * 10,
+        )
+        return sweep.suggestion
+
+    found = ctx.on_root(find, name="lr_find")
+    optim = dataclasses.replace(cfg.optim, base_lr=found)
+    return dataclasses.replace(job, cfg=dataclasses.replace(cfg, optim=optim))
 
 
 # --- 2. model --------------------------------------------------------------------
@@ -267,7 +309,7 @@ class ElasticTraining(distributed.ElasticSession):
     def body(self) -> None:
         if self.state is None:
             prepare_output(self.cfg, self.ctx)
-            self.job = load_data(self.cfg, self.ctx)
+            self.job = resolve_base_lr(load_data(self.cfg, self.ctx), self.ctx)
             self.net = build_net(self.job, self.ctx)
             self.state, history = start_state(self.job, self.ctx, self.net)
             self.history = history
@@ -388,6 +430,7 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
     rate, first = median_rate(history)
     return {
         "val_accuracy": final.accuracy if final else None,
+        "base_lr": cfg.optim.base_lr,
         "val_top5": final.top5 if final else None,
         "val_top_k": final.k if final else None,
         "val_loss": final.loss if final else None,

@@ -49,6 +49,21 @@ def test_invalid_values_name_the_flag(argv, flag):
         config.from_sources(parse(["--data", "d", "--output", "o", *argv]))
 
 
+def test_base_lr_takes_a_number_or_auto_from_flags_and_yaml(tmp_path):
+    assert config.from_sources(parse(["--data", "d", "--output", "o", "--base-lr", "auto"])).optim.base_lr == "auto"
+    cfg = config.from_sources(parse(["--data", "d", "--output", "o", "--base-lr", "0.2"]))
+    assert cfg.optim.base_lr == 0.2
+    path = tmp_path / "auto.yaml"
+    path.write_text("data: {train: d}\nrun: {output: o}\noptim: {base_lr: auto}\n")
+    cfg = config.from_sources(parse(["--config", str(path)]))
+    assert cfg.optim.base_lr == "auto" and "base_lr: auto" in cfg.to_yaml()
+    with pytest.raises(SystemExit):  # argparse: "use a number or auto"
+        parse(["--base-lr", "fast"])
+    path.write_text("data: {train: d}\nrun: {output: o}\noptim: {base_lr: fast}\n")
+    with pytest.raises(UserError, match="optim.base_lr"):
+        config.from_sources(parse(["--config", str(path)]))
+
+
 def test_missing_data_and_output():
     with pytest.raises(UserError, match="`--data`"):
         config.from_sources(parse(["--output", "o"]))

@@ -88,7 +88,12 @@ def test_scratch_bn_momentum_is_applied():
 
 def test_freeze_and_trainable_layers():
     frozen = build_model(ModelConfig(name="MobileNetV2", weights="none", freeze_backbone=True), 3, 32)
-    assert [v.name for v in frozen.trainable_variables] == ["predictions/kernel:0", "predictions/bias:0"]
+    assert [v.name for v in frozen.trainable_variables] == [
+        "head_norm/gamma:0",
+        "head_norm/beta:0",
+        "predictions/kernel:0",
+        "predictions/bias:0",
+    ]
     partial = build_model(ModelConfig(name="MobileNetV2", weights="none", trainable_layers=4), 3, 32)
     backbone = partial.layers[1]
     assert [layer.trainable for layer in backbone.layers[-4:]] == [True] * 4
@@ -159,3 +164,16 @@ def test_fast_preprocessing_gives_the_numbers_of_keras_own_for_every_model():
         np.testing.assert_array_equal(fast(tf.constant(batch)), own(tf.constant(batch)), err_msg=spec.name)
     assert fast_preprocess(available_models()["ResNet50"].module) is _caffe
     assert {"_caffe", "_tf_mode", "_torch", "_identity"} <= chosen
+
+
+@pytest.mark.parametrize(
+    "freeze, head_norm, expected",
+    [(True, "auto", True), (False, "auto", False), (False, "layer", True), (True, "none", False)],
+)
+def test_head_norm_is_layer_normalisation_for_frozen_backbones_by_default(freeze, head_norm, expected):
+    cfg = ModelConfig(name="MobileNetV2", weights="none", freeze_backbone=freeze, head_norm=head_norm)
+    model = build_model(cfg, num_classes=3, image_size=32)
+    names = [layer.name for layer in model.layers]
+    assert ("head_norm" in names) is expected
+    if expected:  # between the pooling and the new Dense layer
+        assert names.index("avg_pool") < names.index("head_norm") < names.index("predictions")

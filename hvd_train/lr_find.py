@@ -1,0 +1,215 @@
+"""The learning-rate range test (Smith, 2015; fastai's ``lr_find``).
+
+One process trains a throw-away copy of the run's model on the run's real
+training images, with the run's optimizer, batch and augmentation, while
+the learning rate grows exponentially from ``start`` to ``end`` over
+``steps`` steps. It stops early once the loss has blown up: its
+exponential moving average (fastai's, bias-corrected) is four times its
+lowest value, or the loss is not finite. The suggested base learning rate
+is a tenth of the rate where the loss, smoothed by a centred moving average
+over a tenth of the sweep, was lowest: one order of magnitude below the
+edge of divergence, Smith's rule of thumb. Where the loss stays flat until
+it diverges (weak features, a hard task), it is a tenth of the rate where
+the loss first rose (``suggest``). The centred average, unlike the
+moving average that stops the sweep, does not lag: on a loss that falls and
+then stays flat until it explodes, the lagging average keeps falling on the
+plateau and puts its minimum at the explosion.
+
+The rate found is the rate of one worker with ``--batch-size`` images, the
+``--base-lr`` of a run: training scales it with the global batch (Goyal et
+al.) after the warmup.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_train import plots
+from hvd_train.compat import keras
+from hvd_train.data.pipeline import train_input
+from hvd_train.data.sharding import Segment
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+from hvd_train.models import HEAD_LAYER, build_model, get_spec
+
+log = get_logger("lr_find")
+
+CSV = "lr_find.csv"
+RESULT = "lr_find.json"
+START, END, STEPS = 1e-7, 10.0, 200
+SMOOTHING = 0.98  # of the loss's exponential moving average (bias-corrected)
+BLOW_UP = 4.0  # stop when the smoothed loss exceeds this many times its lowest value
+
+
+@dataclass
+class Sweep:
+    """The range test's record.
+
+    Attributes:
+        lrs: learning rate of each step.
+        losses: training loss of each step.
+        smoothed: bias-corrected exponential moving average of the losses (the stop rule).
+        centred: centred moving average of the losses (the suggestion).
+        suggestion: the suggested base learning rate, or None when the loss never fell.
+        stopped: why the sweep ended.
+        seconds: time taken.
+    """
+
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    smoothed: list[float] = field(default_factory=list)
+    centred: list[float] = field(default_factory=list)
+    suggestion: float | None = None
+    stopped: str = ""
+    seconds: float = 0.0
+
+
+def centred_average(losses: list[float]) -> np.ndarray:
+    """The losses averaged over a centred window of about a tenth of the sweep (at least 5 steps)."""
+    values = np.asarray(losses, dtype=float)
+    window = max(5, (values.size // 10) | 1)
+    kernel = np.ones(window)
+    return np.convolve(values, kernel, "same") / np.convolve(np.ones_like(values), kernel, "same")
+
+
+def suggest(lrs: list[float], losses: list[float]) -> float | None:
+    """The suggested base learning rate, from the finite losses of a sweep (one per rate of ``lrs``).
+
+    * The smoothed loss fell by 10% or more: a tenth of the rate at its lowest point.
+    * It stayed flat (within 10%) until it rose: a tenth of the rate where it first rose
+      10% above its start, the edge of divergence (weak features, a hard task: the loss
+      answers to no rate below the edge).
+    * None when the lowest point is the last step (the edge was never reached) or
+      when the loss neither fell nor rose (nothing to tell from).
+    """
+    if len(losses) < 10:
+        return None
+    smooth = centred_average(losses)
+    best = int(np.argmin(smooth))
+    start = smooth[: max(5, (len(losses) // 10) | 1)].mean()
+    if best == len(losses) - 1:
+        return None
+    if smooth[best] <= 0.9 * start:
+        return float(lrs[best]) / 10
+    risen = np.flatnonzero(smooth > 1.1 * start)
+    return float(lrs[int(risen[0])]) / 10 if risen.size else None
+
+
+def run(job, *, steps: int = STEPS, start: float = START, end: float = END, threads: int = 0) -> Sweep:
+    """Sweeps the learning rate on a copy of ``job``'s model, in this process alone.
+
+    Args:
+        job: the run's ``loop.Job`` (configuration, training images, input size).
+        steps: most steps of the sweep.
+        start, end: first and last learning rate of the exponential sweep.
+
+    Raises:
+        UserError: bad arguments, or the weights cannot be loaded.
+    """
+    cfg = job.cfg
+    if not (0 < start < end) or steps < 10:
+        raise UserError(f"the sweep needs 0 < start < end and at least 10 steps; got {start:g}..{end:g}, {steps}.")
+    model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
+    if cfg.optim.optimizer == "sgd":
+        optimizer = keras.optimizers.SGD(learning_rate=start, momentum=cfg.optim.momentum)
+    else:
+        optimizer = keras.optimizers.Adam(learning_rate=start)
+    head = {v.ref() for v in model.get_layer(HEAD_LAYER).trainable_variables}
+    mult = cfg.optim.head_lr_mult
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        variables = model.trainable_variables
+        grads = tape.gradient(loss, variables)
+        if mult != 1.0:
+            grads = [g * mult if g is not None and v.ref() in head else g for g, v in zip(grads, variables)]
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    batch = min(cfg.data.batch_size, len(job.train))
+    epochs = math.ceil(steps * batch / len(job.train))
+    segments = [(Segment.whole(e, len(job.train), 1, batch, 1, cfg.run.seed), 0) for e in range(epochs)]
+    made = train_input(
+        job.train,
+        segments,
+        rank=0,
+        image_size=job.image_size,
+        augment=cfg.data.augment,
+        preprocess=get_spec(cfg.model.name).preprocess_input(),
+        seed=cfg.run.seed,
+        threads=threads,
+        s3=cfg.data.s3_options(),
+        alpha_background=cfg.data.alpha_background,
+    )
+    sweep = Sweep()
+    started = time.perf_counter()
+    average, best = 0.0, math.inf
+    factor = (end / start) ** (1 / (steps - 1))
+    for i, (images, labels, _) in enumerate(made.dataset.take(steps)):
+        lr = start * factor**i
+        optimizer.learning_rate.assign(lr)
+        loss = float(step(images, labels))
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        smooth = average / (1 - SMOOTHING ** (i + 1))
+        sweep.lrs.append(lr)
+        sweep.losses.append(loss)
+        sweep.smoothed.append(smooth if math.isfinite(loss) else math.nan)
+        if not math.isfinite(loss) or not math.isfinite(smooth):
+            sweep.stopped = f"the loss was not finite at lr {lr:.3g}"
+            break
+        best = min(best, smooth)
+        if i >= 10 and smooth > BLOW_UP * best:
+            sweep.stopped = f"the loss blew up at lr {lr:.3g}"
+            break
+    else:
+        sweep.stopped = f"reached lr {sweep.lrs[-1]:.3g} after {len(sweep.lrs)} steps"
+    sweep.seconds = time.perf_counter() - started
+    finite = [i for i, loss in enumerate(sweep.losses) if math.isfinite(loss)]
+    sweep.centred = [math.nan] * len(sweep.losses)
+    if finite:
+        for i, value in zip(finite, centred_average([sweep.losses[i] for i in finite])):
+            sweep.centred[i] = float(value)
+    sweep.suggestion = suggest([sweep.lrs[i] for i in finite], [sweep.losses[i] for i in finite])
+    return sweep
+
+
+def write(sweep: Sweep, folder: str) -> None:
+    """``lr_find.csv``, ``lr_find.json`` and ``lr_find.png`` in ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{CSV}.tmp")
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "lr", "loss", "smoothed_loss", "centred_loss"])
+        for i, row in enumerate(zip(sweep.lrs, sweep.losses, sweep.smoothed, sweep.centred)):
+            writer.writerow([i, *(f"{v:.6g}" for v in row)])
+    os.replace(tmp, os.path.join(folder, CSV))
+    result = {"suggested_base_lr": sweep.suggestion, "steps": len(sweep.lrs), "stopped": sweep.stopped}
+    tmp = os.path.join(folder, f".{RESULT}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, os.path.join(folder, RESULT))
+    from hvd_train.reporting import draw
+
+    path = os.path.join(folder, plots.LR_FIND)
+    draw(path, lambda: plots.lr_find(sweep.lrs, sweep.losses, sweep.centred, sweep.suggestion, path))
+
+
+def saved_suggestion(folder: str) -> float | None:
+    """The suggestion an earlier sweep wrote to ``folder`` (a resumed ``--base-lr auto`` run keeps it)."""
+    try:
+        with open(os.path.join(folder, RESULT), encoding="utf-8") as f:
+            value = json.load(f).get("suggested_base_lr")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None

@@ -1,0 +1,125 @@
+"""The learning-rate range test: ``hvd-train lr-find`` and ``--base-lr auto``."""
+
+import csv
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from hvd_train.lr_find import centred_average, suggest
+
+from conftest import TINY, cli, launch, output_of, read_json
+
+SWEEP = ["--steps", "60", "--start-lr", "1e-5", "--end-lr", "10"]
+
+
+def test_suggestion_is_a_tenth_of_the_rate_at_the_lowest_smoothed_loss():
+    lrs = list(np.geomspace(1e-6, 1, 50))
+    falls = [2.0] * 10 + list(np.linspace(2.0, 0.5, 30)) + list(np.linspace(0.6, 9.0, 10))
+    assert suggest(lrs, falls) == pytest.approx(lrs[int(np.argmin(centred_average(falls)))] / 10)
+    assert 34 <= int(np.argmin(centred_average(falls))) <= 39
+    # falls, then flat until it explodes: the centred average does not drift to the explosion
+    plateau = list(np.linspace(8.0, 1.6, 20)) + [1.6, 1.58, 1.62] * 10
+    assert suggest(lrs[:50], plateau) < lrs[40] / 10
+    assert suggest(lrs, [2.0] * 50) is None  # never fell, never rose
+    flat = [2.0, 1.9, 2.1] * 12 + list(np.linspace(2.0, 20.0, 14))
+    risen = int(np.flatnonzero(centred_average(flat) > 1.1 * 2.0)[0])
+    assert 34 <= risen <= 38 and suggest(lrs, flat) == pytest.approx(lrs[risen] / 10)  # flat, then the edge
+    assert suggest(lrs, list(np.linspace(2.0, 0.5, 50))) is None  # still falling at the end: no edge found
+    assert suggest(lrs[:5], falls[:5]) is None  # too short to tell
+
+
+def _rows(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_lr_find_writes_its_sweep_and_suggests_a_rate(demo_small, tmp_path):
+    out = tmp_path / "find"
+    proc = cli(["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", *SWEEP])
+    found = json.loads((out / "lr_find.json").read_text()) if (out / "lr_find.json").exists() else None
+    assert found is not None, output_of(proc)
+    rows = _rows(out / "lr_find.csv")
+    lrs = np.array([float(r["lr"]) for r in rows])
+    assert 10 <= len(rows) <= 60 and lrs[0] == pytest.approx(1e-5)
+    ratios = lrs[1:] / lrs[:-1]
+    assert np.allclose(ratios, (10 / 1e-5) ** (1 / 59), rtol=1e-4)  # exponential
+    assert (out / "lr_find.png").read_bytes().startswith(b"\x89PNG")
+    if proc.returncode == 0:  # the loss fell: the suggestion is a tenth of the rate of the lowest smoothed loss
+        centred = np.array([float(r["centred_loss"]) for r in rows])
+        assert found["suggested_base_lr"] == pytest.approx(lrs[int(np.nanargmin(centred))] / 10, rel=1e-4)
+        assert f"suggested --base-lr {found['suggested_base_lr']:.3g}" in proc.stdout
+    else:  # the one-line error of a loss that did not fall
+        assert found["suggested_base_lr"] is None and "did not fall" in proc.stderr, output_of(proc)
+
+
+def test_bad_sweep_arguments(demo_small, tmp_path):
+    proc = cli(["lr-find", "--data", demo_small, "--output", tmp_path / "o", "--start-lr", "1", "--end-lr", "0.1"])
+    assert proc.returncode == 2 and "--start-lr" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def large_feature_vgg16(demo_small, tmp_path_factory):
+    """A VGG16 backbone whose pooled features have an L2 norm of about 100 (as large as a pretrained VGG16's
+    that made the default SGD diverge on a linear head)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
+    from recipes import vgg16_weights
+
+    path = tmp_path_factory.mktemp("vgg") / "vgg16-notop.weights.h5"
+    assert vgg16_weights(str(path), 32, str(demo_small)) == pytest.approx(100, rel=0.05)
+    return path
+
+
+def _losses(out):
+    return [float(r["loss"]) for r in _rows(out / "metrics.csv")]
+
+
+FROZEN = ["--model", "vgg16", "--freeze-backbone", "--image-size", "32", "--batch-size", "8", "--epochs", "3"]
+FROZEN += ["--threads-per-rank", "2", "--no-tensorboard", "--val-split", "0.2"]
+
+
+def test_frozen_large_feature_backbone_diverges_with_the_plain_head_at_sgd_0_01(
+    demo_small, large_feature_vgg16, tmp_path
+):
+    # The trap of the issue, reproduced: the plain head on these features at the old default.
+    out = tmp_path / "plain"
+    args = ["train", "--data", demo_small, "--output", out, "--weights", large_feature_vgg16, *FROZEN]
+    proc = cli([*args, "--head-norm", "none", "--base-lr", "0.01"])
+    assert proc.returncode == 0, output_of(proc)
+    assert max(_losses(out)) > 10
+
+
+def test_frozen_large_feature_backbone_with_base_lr_auto_does_not_diverge(demo_small, large_feature_vgg16, tmp_path):
+    out = tmp_path / "auto"
+    args = ["train", "--data", demo_small, "--output", out, "--weights", large_feature_vgg16, *FROZEN]
+    proc = cli([*args, "--base-lr", "auto"])
+    assert proc.returncode == 0, output_of(proc)
+    losses = _losses(out)
+    assert max(losses) < 2 * np.log(5) and losses[-1] < losses[0]
+    summary = read_json(out / "summary.json")
+    assert summary["base_lr"] == json.loads((out / "lr_find.json").read_text())["suggested_base_lr"]
+    assert "--base-lr auto:" in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_base_lr_auto_is_found_once_and_shared_and_kept_on_resume(demo_small, tmp_path):
+    out = tmp_path / "run"
+    program = [sys.executable, "-m", "hvd_train", "train", "--data", demo_small, "--output", out, *TINY]
+    program += ["--val-split", "0.2", "--base-lr", "auto", "--epochs", "1"]
+    proc = launch("horovodrun-gloo", 2, program)
+    assert proc.returncode == 0, output_of(proc)
+    both = proc.stdout + proc.stderr
+    assert both.count("the learning-rate range test runs on rank 0") == 1
+    summary = read_json(out / "summary.json")
+    found = json.loads((out / "lr_find.json").read_text())["suggested_base_lr"]
+    assert summary["base_lr"] == found and summary["weights_identical_across_ranks"] is True
+    first_lr = float(_rows(out / "metrics.csv")[0]["lr"])
+    # A resumed run keeps the rate its checkpoint was made with, rather than sweeping again.
+    again = ["train", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--epochs", "2"]
+    proc = cli([*again, "--base-lr", "auto"])
+    assert proc.returncode == 0, output_of(proc)
+    assert re.search(r"--base-lr auto: \S+, as found by this run's range test", proc.stderr), output_of(proc)
+    assert read_json(out / "summary.json")["base_lr"] == found
+    assert float(_rows(out / "metrics.csv")[0]["lr"]) == first_lr
