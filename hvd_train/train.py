@@ -156,12 +156,12 @@ def resolve_base_lr(job: Job, ctx: Context) -> Job:
         lr_find.write(sweep, out)
         if sweep.suggestion is None:
             raise UserError(
-                f"--base-lr auto: the training loss did not fall at any learning rate from {lr_find.START:g} to "
-                f"{lr_find.END:g} ({sweep.stopped}; see {os.path.join(out, 'lr_find.png')}); check the data and "
-                f"labels, or pass --base-lr with a number."
+                f"--base-lr auto: the range test found no rate: from {lr_find.START:g} to {lr_find.END:g} the "
+                f"training loss neither fell nor rose, or still fell at the end ({sweep.stopped}; see "
+                f"{os.path.join(out, 'lr_find.png')}); check the data and labels, or pass --base-lr with a number."
             )
         log.info(
-            "--base-lr auto: %.4g per worker (range test: %d steps in %.0f s, %s; lowest loss at %.3g)",
+            "--base-lr auto: %.4g per worker (range test: %d steps in %.0f s, %s; a tenth of %.3g)",
             sweep.suggestion,
             len(sweep.lrs),
             sweep.seconds,

@@ -47,12 +47,15 @@ def test_lr_find_writes_its_sweep_and_suggests_a_rate(demo_small, tmp_path):
     ratios = lrs[1:] / lrs[:-1]
     assert np.allclose(ratios, (10 / 1e-5) ** (1 / 59), rtol=1e-4)  # exponential
     assert (out / "lr_find.png").read_bytes().startswith(b"\x89PNG")
-    if proc.returncode == 0:  # the loss fell: the suggestion is a tenth of the rate of the lowest smoothed loss
-        centred = np.array([float(r["centred_loss"]) for r in rows])
-        assert found["suggested_base_lr"] == pytest.approx(lrs[int(np.nanargmin(centred))] / 10, rel=1e-4)
+    if proc.returncode == 0:  # a tenth of one of the swept rates, below the last one
+        losses = [float(r["loss"]) for r in rows]
+        finite = [i for i, loss in enumerate(losses) if np.isfinite(loss)]
+        expected = suggest([lrs[i] for i in finite], [losses[i] for i in finite])
+        assert found["suggested_base_lr"] == pytest.approx(expected, rel=1e-4)
+        assert np.isclose(lrs, expected * 10, rtol=1e-4).any() and expected * 10 < lrs[-1]
         assert f"suggested --base-lr {found['suggested_base_lr']:.3g}" in proc.stdout
-    else:  # the one-line error of a loss that did not fall
-        assert found["suggested_base_lr"] is None and "did not fall" in proc.stderr, output_of(proc)
+    else:  # the one-line error of a sweep without a suggestion
+        assert found["suggested_base_lr"] is None and "no rate found" in proc.stderr, output_of(proc)
 
 
 def test_bad_sweep_arguments(demo_small, tmp_path):

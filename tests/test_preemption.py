@@ -129,9 +129,11 @@ def test_sigterm_to_horovodrun_stops_with_a_checkpoint_and_the_rerun_is_bit_iden
     at = wait_for_steps(proc, samples, 8)
     proc.send_signal(signal.SIGTERM)
     proc = finish(proc)
-    # horovodrun reports the first rank that ended (then it stops the others, which are ending too).
+    # horovodrun reports the first rank that ended, then kills the others: a rank that has
+    # printed its stop line but not yet exited is reported killed (137). Each rank's own
+    # clean stop is checked below: one "stopped by" line per rank, after the same step.
     codes = re.findall(r"Process \d exit with status code (\d+)", proc.stdout + proc.stderr)
-    assert codes and set(codes) == {"75"}, output_of(proc)
+    assert codes and codes[0] == "75" and set(codes) <= {"75", "137"}, output_of(proc)
     check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
 
 

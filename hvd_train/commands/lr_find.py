@@ -67,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if found.suggestion is None:
         raise UserError(
-            f"the training loss did not fall at any learning rate from {args.start_lr:g} to {args.end_lr:g}; "
-            f"look at lr_find.png, check the data and labels, or widen --start-lr/--end-lr."
+            f"no rate found: from {args.start_lr:g} to {args.end_lr:g} the training loss neither fell nor rose, "
+            f"or still fell at the end; look at lr_find.png, check the data and labels, or widen "
+            f"--start-lr/--end-lr."
         )
-    print(f"suggested --base-lr {found.suggestion:.3g}  (lowest smoothed loss at {found.suggestion * 10:.3g})")
+    print(f"suggested --base-lr {found.suggestion:.3g}  (a tenth of {found.suggestion * 10:.3g}; see lr_find.png)")
     return 0

@@ -37,12 +37,12 @@ def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> t
     def plain():
         return tf.io.decode_image(contents, channels=3, expand_animations=False, dtype=tf.uint8)
 
-    def composited(unused_alpha: tf.Tensor | None = None):
+    def composited(zero_alpha_is_opaque: bool = False):
         def decode_rgba():
             rgba = tf.io.decode_image(contents, channels=4, expand_animations=False, dtype=tf.uint8)
             alpha = rgba[..., 3]
             transparent = tf.reduce_any(alpha < 255)
-            if unused_alpha is not None:
+            if zero_alpha_is_opaque:
                 transparent &= tf.reduce_any(alpha > 0)
             return tf.cond(transparent, lambda: _composite(rgba, value), lambda: rgba[..., :3])
 
@@ -60,7 +60,7 @@ def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> t
         [
             (tf.equal(kind, "png"), png),
             # A 32-bit BMP whose fourth byte is 0 everywhere has no alpha (X8R8G8B8), as browsers read it.
-            (tf.equal(kind, "bmp"), composited(unused_alpha=tf.constant(True))),
+            (tf.equal(kind, "bmp"), composited(zero_alpha_is_opaque=True)),
             (tf.equal(kind, "gif"), gif),
         ],
         default=plain,
