@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -136,7 +137,7 @@ def transparent_folder(root: str, per_class: int = 60, size: int = 48, seed: int
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", default="/tmp/hvd-train-recipes")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "hvd-train-recipes"))
     parser.add_argument("--only", nargs="*", default=["frozen-vgg16", "demo", "alpha"])
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
