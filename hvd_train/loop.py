@@ -191,6 +191,8 @@ class Loop:
                 self._end_epoch(steps=0, seconds=0.0)
             else:
                 self._train(plan)
+        if self.reporters:
+            self.reporters.wait()  # curves.png shows the last epoch
 
     def configure(self) -> Plan:
         """Fits the state to the current workers: batch, learning rate, what is left of the epoch."""

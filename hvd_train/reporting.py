@@ -8,8 +8,11 @@ adding one.
 from __future__ import annotations
 
 import csv
+import io
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -131,16 +134,39 @@ class Reporters:
         self.csv = MetricsCSV(os.path.join(output, "metrics.csv"))
         self.curves = os.path.join(output, plots.CURVES)
         self.title = title
+        # Drawn off the training thread: a stop request must not wait for matplotlib
+        # (plain mpirun kills 1 s after passing SIGTERM on). A daemon thread: a
+        # process that exits mid-draw leaves the previous picture in place.
+        self._rows: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        threading.Thread(target=self._paint, name="curves", daemon=True).start()
         self.tensorboard = TensorBoard(os.path.join(output, "tensorboard")) if tensorboard else None
         self.progress = Progress(epochs)
 
     def epoch_end(self, epoch: int, logs: dict) -> None:
         """Writes epoch ``epoch`` (0-based) everywhere."""
         self.csv.write(epoch + 1, logs)
-        rows = self.csv.rows()
-        draw(self.curves, lambda: plots.curves(rows, self.curves, self.title))
+        self._idle.clear()
+        self._rows.put(self.csv.rows())
         if self.tensorboard is not None:
             self.tensorboard.write(epoch + 1, logs)
+
+    def _paint(self) -> None:
+        # matplotlib's import and first figure cost ~1 s: paid now, while the first
+        # epoch traces its graph, not at an epoch end next to a checkpoint.
+        draw(self.curves, lambda: plots.curves([], io.BytesIO()))
+        while True:
+            rows = self._rows.get()
+            while not self._rows.empty():  # only the latest epochs matter
+                rows = self._rows.get()
+            draw(self.curves, lambda rows=rows: plots.curves(rows, self.curves, self.title))
+            if self._rows.empty():
+                self._idle.set()
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Waits until curves.png shows every epoch written so far."""
+        return self._idle.wait(timeout)
 
     def truncate(self, epochs_done: int) -> None:
         """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back)."""
