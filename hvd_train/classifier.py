@@ -135,6 +135,8 @@ class Net:
             for layer in self.model.submodules
             if isinstance(getattr(getattr(layer, "_random_generator", None), "_generator", None), tf.random.Generator)
         ]
+        # Called with each batch's image ids before they reach the allreduce (--sample-log).
+        self.audit = None
         self._step = tf.function(self._train_step)
 
     @property
@@ -154,6 +156,13 @@ class Net:
 
     def _train_step(self, iterator):
         images, labels, ids = next(iterator)
+        if self.audit is not None:
+            # The record comes before this rank's gradients can join an
+            # allreduce: a step every rank completed has every rank's record,
+            # even when a process is killed right after it.
+            written = tf.py_function(self._write_audit, [ids], Tout=tf.bool)
+            with tf.control_dependencies([written]):
+                images = tf.identity(images)
         step = tf.cast(self.optimizer.iterations, tf.int64)
         key = self.seed * 1_000_003 + self._rank
         for i, generator in enumerate(self._generators):
@@ -163,6 +172,10 @@ class Net:
         # Horovod: every rank's flags, summed in the same cycles as the gradients.
         agreed = distributed.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
         return logs, ids, agreed
+
+    def _write_audit(self, ids) -> bool:
+        self.audit(ids.numpy())
+        return True
 
     def step(self, iterator) -> tuple[dict, tf.Tensor, tf.Tensor]:
         """Runs one batch from ``iterator``.

@@ -174,6 +174,8 @@ class Loop:
         self._last_checkpoint = (state.step, time.monotonic())
         self._since_commit = 0
         self._sample_log = None
+        if self.cfg.run.sample_log:
+            net.audit = self._log_samples
 
     # --- the run ---------------------------------------------------------------
 
@@ -275,13 +277,11 @@ class Loop:
             started = time.perf_counter()
             self.net.set_learning_rate(self.schedule(state.epoch_progress))
             self.net.set_flags(self.stop.requested, self._timed_checkpoint_due(), last_step)
-            logs, ids, agreed = self.net.step(iterator)
+            logs, _, agreed = self.net.step(iterator)
             last_step = time.perf_counter() - started
             state.advance()
             if self.history.resets and "seconds" not in self.history.resets[-1]:
                 self._training_again()
-            if self.cfg.run.sample_log:
-                self._log_samples(ids)
             seconds += time.perf_counter() - started
             if reporters:
                 reporters.progress.step(state.segment_steps, logs)
@@ -464,6 +464,7 @@ class Loop:
     # --- auditing -----------------------------------------------------------------
 
     def _log_samples(self, ids) -> None:
+        """Appends the images of the step about to run (called inside the step, before its allreduce)."""
         if self._sample_log is None:
             os.makedirs(self.cfg.run.sample_log, exist_ok=True)
             # Named by the rank the launcher gave (it stays with the process) and the pid.
@@ -473,7 +474,7 @@ class Loop:
         record = {
             "time": round(time.time(), 3),
             "epoch": state.epoch,
-            "step": state.epoch_steps,
+            "step": state.epoch_steps + 1,
             "rank": self.ctx.rank,
             "size": self.ctx.size,
             "ids": np.asarray(ids).tolist(),
