@@ -23,6 +23,7 @@ al.) after the warmup.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tensorflow as tf
 
-from hvd_train import plots
+from hvd_train import files, plots
 from hvd_train.compat import keras
 from hvd_train.data.pipeline import train_input
 from hvd_train.data.sharding import Segment
@@ -187,18 +188,14 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
 def write(sweep: Sweep, folder: str) -> None:
     """``lr_find.csv``, ``lr_find.json`` and ``lr_find.png`` in ``folder``."""
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".{CSV}.tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        writer = csv.writer(f)
-        writer.writerow(["step", "lr", "loss", "smoothed_loss", "centred_loss"])
-        for i, row in enumerate(zip(sweep.lrs, sweep.losses, sweep.smoothed, sweep.centred)):
-            writer.writerow([i, *(f"{v:.6g}" for v in row)])
-    os.replace(tmp, os.path.join(folder, CSV))
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(["step", "lr", "loss", "smoothed_loss", "centred_loss"])
+    for i, row in enumerate(zip(sweep.lrs, sweep.losses, sweep.smoothed, sweep.centred)):
+        writer.writerow([i, *(f"{v:.6g}" for v in row)])
+    files.write_text(os.path.join(folder, CSV), table.getvalue())
     result = {"suggested_base_lr": sweep.suggestion, "steps": len(sweep.lrs), "stopped": sweep.stopped}
-    tmp = os.path.join(folder, f".{RESULT}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-    os.replace(tmp, os.path.join(folder, RESULT))
+    files.write_json(os.path.join(folder, RESULT), result)
     from hvd_train.reporting import draw
 
     path = os.path.join(folder, plots.LR_FIND)

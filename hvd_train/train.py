@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import checkpoints, compute, distributed, lr_find, plots
+from hvd_train import checkpoints, compute, distributed, files, lr_find, plots
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import TrainConfig
@@ -130,7 +129,7 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
         f", XLA {cfg.compute.xla}" if cfg.compute.xla != "off" else "",
     )
     if ctx.is_root:
-        _write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
+        files.write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
     return job
 
 
@@ -407,7 +406,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
                 net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
             )
         _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
-        _write_json(os.path.join(cfg.run.output, "summary.json"), summary)
+        files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
         if final is not None:
             path = os.path.join(cfg.run.output, plots.CONFUSION)
             draw(path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)"))
@@ -500,11 +499,3 @@ def _save_model_atomically(model, path: str) -> None:
         tmp_path = os.path.join(tmp, os.path.basename(path))
         model.save(tmp_path)
         os.replace(tmp_path, path)
-
-
-def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)

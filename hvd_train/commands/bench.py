@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from hvd_train import files
 from hvd_train.commands._common import positive_int
 
 
@@ -48,8 +49,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from hvd_train import bench
     from hvd_train.errors import UserError
     from hvd_train.models import get_spec
@@ -91,7 +90,5 @@ def run(args: argparse.Namespace) -> int:
     if ctx.is_root:
         bench.print_result(result)
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(result, f, indent=2)
-                f.write("\n")
+            files.write_json(args.json, result)
     return 0

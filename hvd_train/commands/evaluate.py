@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
+from hvd_train import files
 from hvd_train.commands._common import add_trained_model_arguments
 
 
@@ -78,8 +78,7 @@ def run(args: argparse.Namespace) -> int:
         "world_size": ctx.size,
     }
     path = args.report or os.path.join(args.model_dir, "evaluation.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+    files.write_json(path, report)
     width = max(len(c) for c in trained.classes)
     print(f"images    {result.count}")
     print(f"accuracy  {result.accuracy:.4f}")
