@@ -287,7 +287,10 @@ class RunConfig:
         tensorboard: write TensorBoard logs under ``output/tensorboard``.
         log_all_ranks: every rank logs at INFO, not only rank 0.
         sample_log: folder where every rank appends the ids of the images of
-            each step (JSON lines), to audit what was trained on.
+            each step (JSON lines), to audit what was trained on. A step's
+            line is written as the step starts, before its allreduce: every
+            step that completed is there, and a step cut short by a lost
+            worker or a kill may be there too.
     """
 
     output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
