@@ -165,8 +165,8 @@ def test_sigterm_to_launch_mpirun_script_reaches_the_ranks_at_once(demo_small, t
 
 def test_sigterm_to_plain_mpirun_stops_every_rank_with_a_checkpoint(demo_small, tmp_path):
     # Plain mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds
-    # and SIGKILLs as long after. Its default, 1 s, is a timing bound on this
-    # machine's load (the time a save takes is measured by
+    # and SIGKILLs as long after. Its default, 1 s, makes the test a timing
+    # bound on a loaded test machine (the time a save takes is measured by
     # benchmarks/preemption.py); the README's fix for plain mpirun is to raise
     # it, as here, so the test checks the stop itself.
     out, samples = tmp_path / "run", tmp_path / "samples"
