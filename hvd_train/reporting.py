@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import queue
 import sys
 import threading
 import time
@@ -137,9 +136,11 @@ class Reporters:
         # Drawn off the training thread: a stop request must not wait for matplotlib
         # (plain mpirun kills 1 s after passing SIGTERM on). A daemon thread: a
         # process that exits mid-draw leaves the previous picture in place.
-        self._rows: queue.Queue = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
+        # The painter draws the latest rows handed over; epochs count what was
+        # handed over and what is drawn, so ``wait`` cannot return early.
+        self._painter = threading.Condition()
+        self._latest: list[dict] | None = None
+        self._handed = self._drawn = 0
         threading.Thread(target=self._paint, name="curves", daemon=True).start()
         self.tensorboard = TensorBoard(os.path.join(output, "tensorboard")) if tensorboard else None
         self.progress = Progress(epochs)
@@ -147,8 +148,10 @@ class Reporters:
     def epoch_end(self, epoch: int, logs: dict) -> None:
         """Writes epoch ``epoch`` (0-based) everywhere."""
         self.csv.write(epoch + 1, logs)
-        self._idle.clear()
-        self._rows.put(self.csv.rows())
+        with self._painter:
+            self._latest = self.csv.rows()
+            self._handed += 1
+            self._painter.notify_all()
         if self.tensorboard is not None:
             self.tensorboard.write(epoch + 1, logs)
 
@@ -157,16 +160,18 @@ class Reporters:
         # epoch traces its graph, not at an epoch end next to a checkpoint.
         draw(self.curves, lambda: plots.curves([], io.BytesIO()))
         while True:
-            rows = self._rows.get()
-            while not self._rows.empty():  # only the latest epochs matter
-                rows = self._rows.get()
+            with self._painter:
+                self._painter.wait_for(lambda: self._latest is not None)
+                rows, handed, self._latest = self._latest, self._handed, None  # only the latest epochs matter
             draw(self.curves, lambda rows=rows: plots.curves(rows, self.curves, self.title))
-            if self._rows.empty():
-                self._idle.set()
+            with self._painter:
+                self._drawn = handed
+                self._painter.notify_all()
 
     def wait(self, timeout: float = 30.0) -> bool:
         """Waits until curves.png shows every epoch written so far."""
-        return self._idle.wait(timeout)
+        with self._painter:
+            return self._painter.wait_for(lambda: self._drawn >= self._handed, timeout)
 
     def truncate(self, epochs_done: int) -> None:
         """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back)."""
