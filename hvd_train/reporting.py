@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hvd_train import plots
+from hvd_train import files, plots
 from hvd_train.log import get_logger
 
 log = get_logger("train")
@@ -63,12 +63,15 @@ class MetricsCSV:
         for key in METRIC_COLUMNS[1:]:
             value = logs.get(key)
             row[key] = "" if value is None else f"{float(value):.6g}"
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-            writer.writeheader()
-            writer.writerows([*rows, row])
-        os.replace(tmp, self.path)
+        self.save([*rows, row])
+
+    def save(self, rows: list[dict]) -> None:
+        """Replaces the file with ``rows`` (atomically)."""
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=METRIC_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+        files.write_text(self.path, table.getvalue())
 
 
 class TensorBoard:
@@ -175,11 +178,7 @@ class Reporters:
 
     def truncate(self, epochs_done: int) -> None:
         """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back)."""
-        rows = [r for r in self.csv.rows() if r.get("epoch", "").isdigit() and int(r["epoch"]) <= epochs_done]
-        if len(rows) != len(self.csv.rows()) or not os.path.isfile(self.csv.path):
-            tmp = f"{self.csv.path}.tmp"
-            with open(tmp, "w", newline="", encoding="utf-8") as f:
-                writer = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(tmp, self.csv.path)
+        before = self.csv.rows()
+        rows = [r for r in before if r.get("epoch", "").isdigit() and int(r["epoch"]) <= epochs_done]
+        if len(rows) != len(before) or not os.path.isfile(self.csv.path):
+            self.csv.save(rows)
