@@ -15,6 +15,18 @@ import pytest
 BIN = Path(sys.executable).parent
 HVD_TRAIN = [sys.executable, "-m", "hvd_train"]
 
+# What this machine must be able to do: a test that needs one of these fails
+# instead of skipping (CI sets HVD_TRAIN_REQUIRE=docker,netns,root, so a
+# suite that skipped them all cannot pass).
+REQUIRED = {c.strip() for c in os.environ.get("HVD_TRAIN_REQUIRE", "").split(",") if c.strip()}
+
+
+def unavailable(capability: str, reason: str):
+    """Skips the calling test for ``reason``, or fails it where ``capability`` is required."""
+    if capability in REQUIRED:
+        pytest.fail(f"{reason}; HVD_TRAIN_REQUIRE says this machine has {capability}", pytrace=False)
+    pytest.skip(reason)
+
 
 def job_env(**extra: str) -> dict[str, str]:
     """Environment of launched jobs: unbuffered output, Open MPI allowed as root."""

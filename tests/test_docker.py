@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import S3_KEY_ID, S3_SECRET, TINY, output_of, read_json, write_images
+from conftest import S3_KEY_ID, S3_SECRET, TINY, output_of, read_json, unavailable, write_images
 
 pytestmark = [pytest.mark.docker, pytest.mark.multiprocess]
 
@@ -45,7 +45,7 @@ def sh(*args, timeout=600, check=True, **kw) -> subprocess.CompletedProcess:
 def docker(tmp_path_factory):
     """The Debian docker client (BuildKit on), with a running daemon; yields its path."""
     if os.geteuid() != 0:
-        pytest.skip("the Docker tests need root (CI runs as root)")
+        unavailable("docker", "the Docker tests need root (CI runs as root)")
     missing = [p for p in ("docker.io", "debootstrap") if sh("dpkg-query", "-W", p, check=False).returncode]
     if missing:
         sh("apt-get", "update", "-qq", timeout=600)
@@ -59,13 +59,13 @@ def docker(tmp_path_factory):
         deadline = time.time() + 60
         while sh(client, "info", check=False, timeout=60).returncode != 0:
             if started.poll() is not None or time.time() > deadline:
-                pytest.skip(f"dockerd does not start here: {Path(log.name).read_text()[-500:]}")
+                unavailable("docker", f"dockerd does not start here: {Path(log.name).read_text()[-500:]}")
             time.sleep(0.5)
     try:
         sh("bash", REPO / "launch" / "base-image.sh", timeout=900, env={**os.environ, "DOCKER": client})
         probe = sh(client, "run", "--rm", "debian:bookworm-slim", "true", check=False, timeout=120)
         if probe.returncode != 0:
-            pytest.skip(f"the kernel refuses containers here: {probe.stderr.strip()[-300:]}")
+            unavailable("docker", f"the kernel refuses containers here: {probe.stderr.strip()[-300:]}")
         yield client
     finally:
         if started is not None:

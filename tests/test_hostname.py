@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
+import sys
 from pathlib import Path
 
 import pytest
 
 from hvd_train import hostname
 
-from conftest import BIN, HVD_TRAIN, TINY, launcher_command, output_of, read_json, run
+from conftest import BIN, HVD_TRAIN, TINY, launcher_command, output_of, read_json, run, unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def nowhere(*command) -> list:
-    """``command`` on a host named ``nowhere-<pid>``, a name no resolver knows."""
+def nowhere(*command, name: str = "") -> list:
+    """``command`` on a host named ``nowhere-<pid>`` (a name no resolver knows), or ``name``."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("a UTS namespace needs root and util-linux's unshare (CI runs as root)")
-    name = f"nowhere-{os.getpid()}"
+        unavailable("root", "a UTS namespace needs root and util-linux's unshare (CI runs as root)")
+    name = name or f"nowhere-{os.getpid()}"
     quoted = " ".join(f"'{c}'" for c in map(str, command))
     return ["unshare", "--uts", "bash", "-c", f"hostname {name} && exec {quoted}"]
 
@@ -72,12 +72,9 @@ def test_multi_host_gloo_job_stops_before_horovod_starts_with_one_line(demo_smal
 
 
 def test_multi_host_gloo_job_on_a_loopback_name_stops_too(demo_small, tmp_path):
-    name = socket.gethostname()
-    found = hostname.resolve(name)
-    if not found.loopback:
-        pytest.skip(f"this host's name resolves to {found.address}, not loopback")
-    proc = run([*HVD_TRAIN, "train", "--data", demo_small, "--output", tmp_path / "run", *TINY], timeout=120,
-               **multi_host_env())  # fmt: skip
+    assert hostname.resolve("localhost").loopback
+    program = [*HVD_TRAIN, "train", "--data", demo_small, "--output", tmp_path / "run", *TINY]
+    proc = run(nowhere(*program, name="localhost"), timeout=120, **multi_host_env())
     assert proc.returncode == 2 and "(loopback)" in proc.stderr and "cannot reach" in proc.stderr, output_of(proc)
 
 

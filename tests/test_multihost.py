@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import netns
-from conftest import TINY, output_of, read_json, run
+from conftest import TINY, output_of, read_json, run, unavailable
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,7 +32,7 @@ def hosts():
         with netns.two_hosts() as made:
             yield made
     except netns.Unavailable as e:
-        pytest.skip(str(e))
+        unavailable("netns", str(e))
 
 
 def env_for(ns, addr, tmp_path):
