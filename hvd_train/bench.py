@@ -146,10 +146,9 @@ def _report(ctx: Context, label: str, step: int, total: int, rate: float) -> Non
 
 def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     """Times the real training step (``classifier.Net``) on random or real batches."""
-    import tensorflow as tf
-
     from hvd_train import compute, distributed
     from hvd_train.classifier import Net, use_step_seeded_dropout
+    from hvd_train.compat import tf
     from hvd_train.config import TrainConfig, build
     from hvd_train.models import build_model
 

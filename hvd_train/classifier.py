@@ -28,10 +28,9 @@ allreduce has no XLA kernel on CPUs, and on GPUs only with
 from __future__ import annotations
 
 import numpy as np
-import tensorflow as tf
 
 from hvd_train import distributed
-from hvd_train.compat import keras
+from hvd_train.compat import keras, tf
 from hvd_train.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.config import TrainConfig
 from hvd_train.models import HEAD_LAYER

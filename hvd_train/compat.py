@@ -9,11 +9,15 @@ before TensorFlow or Horovod is imported we
 * set ``TF_USE_LEGACY_KERAS=1`` so ``tf.keras`` is ``tf_keras``, and
 * make ``import keras`` resolve to ``tf_keras`` for Horovod.
 
-Every module of hvd_train gets Keras from here (``from hvd_train.compat import
-keras``) so the whole process agrees on one Keras.
+Every module of hvd_train gets Keras and TensorFlow from here (``from
+hvd_train.compat import keras, tf``): so the whole process agrees on one
+Keras, and TensorFlow is first imported here, with its import noise sieved
+out, whichever module needs it first.
 """
 
 import os
+import shutil
+import subprocess
 import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -22,31 +26,66 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 # Real failures still reach the user as Python exceptions. Users may override.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+# What TensorFlow's import writes to file descriptor 2 on a machine without a
+# GPU before any log level applies: CUDA plugin registration, absl's notice.
+IMPORT_NOISE = (
+    r"Unable to register (cuDNN|cuFFT|cuBLAS) factory",
+    r"All log messages before absl::InitializeLog\(\) is called are written to STDERR",
+    r"computation placer already registered",
+)
+
 
 def _import_tensorflow_quietly() -> None:
-    """Imports TensorFlow with file descriptor 2 muted, unless asked to be verbose.
+    """Imports TensorFlow with the known noise of its import taken out of file descriptor 2.
 
     The CUDA plugin registration lines ("Unable to register cuDNN factory")
     are written through absl before any log level applies, once per rank.
-    Import errors still surface as Python exceptions after stderr is back.
+    Everything else TensorFlow writes meanwhile passes through at once: a
+    small ``grep -v`` process stands between file descriptor 2 and the real
+    stderr, so even an import that kills the process (an abort in C++)
+    leaves its last words on the terminal: grep outlives it and prints what
+    it read. ``TF_CPP_MIN_LOG_LEVEL`` other than 3 shows everything.
     """
     if os.environ["TF_CPP_MIN_LOG_LEVEL"] != "3" or "tensorflow" in sys.modules:
+        return
+    grep = shutil.which("grep")
+    if grep is None:
+        import tensorflow  # noqa: F401
+
         return
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            import tensorflow  # noqa: F401
+        sieve = subprocess.Popen(
+            [grep, "--line-buffered", "-v", "-E", "|".join(IMPORT_NOISE)],
+            stdin=subprocess.PIPE,
+            stdout=saved,
+            stderr=subprocess.DEVNULL,
+        )
+    except OSError:
+        os.close(saved)
+        import tensorflow  # noqa: F401
+
+        return
+    try:
+        os.dup2(sieve.stdin.fileno(), 2)
+        import tensorflow  # noqa: F401
     finally:
+        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+        sieve.stdin.close()
+        try:
+            sieve.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # something still holds the pipe: grep ends when it lets go
+            pass
 
 
 _import_tensorflow_quietly()
 
+import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402
 
 sys.modules["keras"] = keras
 
-__all__ = ["keras"]
+__all__ = ["keras", "tf"]

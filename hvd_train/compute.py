@@ -42,7 +42,7 @@ def resolve(requested: str, grad_accum: int = 1) -> str:
     """
     if requested != "auto":
         return requested
-    import tensorflow as tf
+    from hvd_train.compat import tf
 
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
@@ -113,6 +113,6 @@ def xla_environment(mode: str) -> None:
 def use_xla(mode: str) -> None:
     """Turns on auto-clustering for ``--xla auto`` (after ``xla_environment``)."""
     if mode == "auto":
-        import tensorflow as tf
+        from hvd_train.compat import tf
 
         tf.config.optimizer.set_jit("autoclustering")

@@ -50,7 +50,7 @@ def make_demo_data(root: str, per_class: int = 150, size: int = 64, seed: int = 
     Existing complete output (same files) is left alone, so calling it twice
     is cheap.
     """
-    import tensorflow as tf
+    from hvd_train.compat import tf
 
     marker = os.path.join(root, f".complete-{per_class}-{size}-{seed}")
     if os.path.exists(marker):

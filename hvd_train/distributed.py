@@ -174,7 +174,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
     Returns:
         The context of this process.
     """
-    import tensorflow as tf
+    from hvd_train.compat import tf
 
     if deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -378,10 +378,9 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
 
 def versions() -> dict[str, str]:
     import horovod
-    import tensorflow as tf
 
     from hvd_train import __version__
-    from hvd_train.compat import keras
+    from hvd_train.compat import keras, tf
 
     return {
         "tensorflow": tf.__version__,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
+from hvd_train.compat import tf
 from hvd_train.distributed import Context
 
 TOP_K = 5

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import tensorflow as tf
 
 from hvd_train import checkpoints, distributed
 from hvd_train.classifier import Net
+from hvd_train.compat import tf
 from hvd_train.config import Plan, TrainConfig, make_plan, parse_every
 from hvd_train.data.blocks import ShardLayout
 from hvd_train.data.folder import ImageSet

@@ -31,15 +31,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import tensorflow as tf
 
 from hvd_train import files, plots
-from hvd_train.compat import keras
-from hvd_train.data.pipeline import train_input
-from hvd_train.data.sharding import Segment
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.models import HEAD_LAYER, build_model, get_spec
 
 log = get_logger("lr_find")
 
@@ -115,6 +110,12 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     Raises:
         UserError: bad arguments, or the weights cannot be loaded.
     """
+    # TensorFlow loads here, not with this module: `hvd-train --help` reads the sweep's defaults above.
+    from hvd_train.compat import keras, tf
+    from hvd_train.data.pipeline import train_input
+    from hvd_train.data.sharding import Segment
+    from hvd_train.models import HEAD_LAYER, build_model, get_spec
+
     cfg = job.cfg
     if not (0 < start < end) or steps < 10:
         raise UserError(f"the sweep needs 0 < start < end and at least 10 steps; got {start:g}..{end:g}, {steps}.")

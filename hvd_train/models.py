@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
-from hvd_train.compat import keras
+from hvd_train.compat import keras, tf
 from hvd_train.config import ModelConfig
 from hvd_train.errors import UserError
 

@@ -78,13 +78,13 @@ class TensorBoard:
     """Epoch scalars under ``tensorboard/train`` and ``tensorboard/validation``."""
 
     def __init__(self, folder: str):
-        import tensorflow as tf
+        from hvd_train.compat import tf
 
         self._train = tf.summary.create_file_writer(os.path.join(folder, "train"))
         self._val = tf.summary.create_file_writer(os.path.join(folder, "validation"))
 
     def write(self, epoch: int, logs: dict) -> None:
-        import tensorflow as tf
+        from hvd_train.compat import tf
 
         for writer, prefix in ((self._train, ""), (self._val, "val_")):
             with writer.as_default(step=epoch):

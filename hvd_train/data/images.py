@@ -12,8 +12,7 @@ import collections
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-import tensorflow as tf
-
+from hvd_train.compat import tf
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
-import tensorflow as tf
 
+from hvd_train.compat import tf
 from hvd_train.data import shards, storage
 from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import google_crc32c
 import numpy as np
-import tensorflow as tf
 
+from hvd_train.compat import tf
 from hvd_train.data import storage
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
