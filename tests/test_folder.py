@@ -79,3 +79,39 @@ def test_split_per_class_is_stratified_and_deterministic(tmp_path):
     assert again_val.paths == val.paths
     _, other_val = split_per_class(images, 0.2, seed=8)
     assert other_val.paths != val.paths
+
+
+def test_order_is_by_relative_path_segments_in_nfc(tmp_path):
+    # A class's own files sort among its sub-folders by name; a folder's files stay
+    # together before a sibling whose name extends it; NFD names sort as their NFC form.
+    for rel in ("a/z.png", "a/part-1/x.png", "a/part-1-b/x.png", "a/shape.png", "a/e\u0301t\u00e9/x.png", "b/y.png"):
+        touch(tmp_path / rel)
+    images = list_folder(str(tmp_path))
+    rel = [images.relative(i) for i in range(len(images))]
+    assert rel == ["a/part-1/x.png", "a/part-1-b/x.png", "a/shape.png", "a/z.png", "a/\u00e9t\u00e9/x.png", "b/y.png"]
+    assert images.paths[4] == str(tmp_path / "a" / "e\u0301t\u00e9" / "x.png")  # the file's own name is read
+
+
+def test_class_names_are_nfc_and_two_forms_of_one_name_are_refused(tmp_path):
+    touch(tmp_path / "cafe\u0301" / "1.png")  # as macOS names it
+    touch(tmp_path / "tea" / "1.png")
+    assert list_folder(str(tmp_path)).classes == ["caf\u00e9", "tea"]
+    val = tmp_path / "val"
+    touch(val / "caf\u00e9" / "1.png")  # the same class, typed on Linux
+    assert list_folder(str(val), "--val-data", classes=["caf\u00e9", "tea"]).labels == [0]
+    touch(tmp_path / "caf\u00e9" / "2.png")
+    with pytest.raises(UserError, match="same name in two Unicode forms"):
+        list_folder(str(tmp_path))
+
+
+def test_digest_follows_the_list_and_the_split(tmp_path):
+    for c in ("a", "b"):
+        for i in range(6):
+            touch(tmp_path / c / f"{i}.png")
+    images = list_folder(str(tmp_path))
+    assert images.digest == list_folder(str(tmp_path) + "/").digest  # however the root is written
+    train, val = split_per_class(images, 0.3, seed=1)
+    assert len({images.digest, train.digest, val.digest}) == 3
+    assert split_per_class(images, 0.3, seed=2)[1].digest != val.digest
+    (tmp_path / "b" / "5.png").rename(tmp_path / "b" / "5b.png")
+    assert list_folder(str(tmp_path)).digest != images.digest

@@ -1,6 +1,7 @@
 """S3 as a data source, against a real S3-compatible server (moto) on 127.0.0.1."""
 
 import json
+import unicodedata
 import uuid
 
 import numpy as np
@@ -9,14 +10,14 @@ from PIL import Image
 
 from hvd_train import compat  # noqa: F401
 from hvd_train.data import shards
-from hvd_train.data.folder import list_folder
+from hvd_train.data.folder import list_folder, split_per_class
 from hvd_train.data.images import find_bad_images
-from hvd_train.data.pipeline import eval_dataset, train_input
+from hvd_train.data.pipeline import eval_dataset, input_failure, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.data.storage import S3Options
 from hvd_train.errors import UserError
 
-from conftest import S3_SECRET, S3Server, free_port, write_images
+from conftest import S3_SECRET, S3Server, cli, free_port, output_of, write_images
 
 
 @pytest.fixture
@@ -37,21 +38,53 @@ def tiny_png(path, value):
     Image.fromarray(np.full((4, 4, 3), value % 256, np.uint8)).save(path)
 
 
-def test_listing_more_than_a_thousand_nested_keys(s3, tmp_path):
-    server, bucket = s3
-    local = tmp_path / "data"
+def tree_where_orders_differ(local):
+    """A class tree where a folder walk and a sort of whole keys disagree.
+
+    Files at the top of a class (``shape-...``) and in sub-folders (``part-...``), a
+    sub-folder whose name is a prefix of another's (``part-1`` and ``part-1-b``: ``-``
+    sorts before ``/``), and names typed on macOS (NFD: ``e`` + combining accent).
+    """
     for i in range(1100):
-        tiny_png(local / f"c{i % 3}" / f"part-{i % 7}" / f"deep-{i % 2}" / f"{i:04d}.png", i)
+        cls = f"c{i % 3}"
+        if i % 5 == 0:
+            rel = f"{cls}/shape-{i:04d}.png"
+        elif i % 5 == 1:
+            rel = f"{cls}/part-{i % 4}-b/deep-{i % 2}/{i:04d}.png"
+        elif i % 5 == 2:
+            rel = f"{cls}/cafe\u0301-{i % 2}/{i:04d}.png"
+        else:
+            rel = f"{cls}/part-{i % 4}/deep-{i % 2}/{i:04d}.png"
+        tiny_png(local / rel, i)
     (local / "README.txt").write_text("not in a class")
     (local / "c0" / "notes.txt").write_text("not an image")
-    assert server.upload_folder(local, bucket, "sets/one/") == 1102
-    images = list_folder(f"s3://{bucket}/sets/one", "--data", s3=OPTIONS)
+
+
+def test_the_same_tree_lists_alike_from_local_disk_and_s3(s3, tmp_path):
+    server, bucket = s3
+    local = tmp_path / "data"
+    tree_where_orders_differ(local)
+    # Keys in NFC, as most upload tools write them; the local names stay NFD.
+    client = server.client()
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            key = "sets/one/" + unicodedata.normalize("NFC", path.relative_to(local).as_posix())
+            client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+    images = list_folder(f"s3://{bucket}/sets/one", "--data", s3=OPTIONS)  # more than 1000 keys: pages
     expected = list_folder(str(local), "--data")
-    assert len(images) == 1100 and images.classes == ["c0", "c1", "c2"]
+    assert len(images) == 1100 and images.classes == expected.classes == ["c0", "c1", "c2"]
     # The same images, labels and order as the same folder on local disk.
-    assert [p.split("/sets/one/", 1)[1] for p in images.paths] == [p.split("/data/", 1)[1] for p in expected.paths]
-    assert images.labels == expected.labels
+    remote = [images.relative(i) for i in range(len(images))]
+    assert remote == [expected.relative(i) for i in range(len(expected))]
+    assert images.labels == expected.labels and images.digest == expected.digest
+    # The order is by path segment: a folder's files stay together, before its prefix sibling's.
+    c0 = [r for r in remote if r.startswith("c0/part-1")]
+    assert c0 == sorted(c0, key=lambda r: r.split("/")) and c0[0].startswith("c0/part-1/")
     assert sorted(p.rsplit("/", 1)[1] for p in images.ignored) == ["README.txt", "notes.txt"]
+    # The hold-out and the rest follow: the same split, the same digests.
+    for a, b in zip(split_per_class(images, 0.2, 7), split_per_class(expected, 0.2, 7)):
+        assert [a.relative(i) for i in range(len(a))] == [b.relative(i) for i in range(len(b))]
+        assert a.digest == b.digest
 
 
 def test_missing_bucket_names_the_bucket(s3):

@@ -3,10 +3,20 @@
 Classes are the sorted names of the top-level folders; images in nested
 sub-folders belong to their top-level class. Listing happens once (on rank 0)
 and the result is shared, so every rank agrees on files, labels and order.
+
+The order is the same wherever the tree lives: images sorted by their path
+relative to ROOT, segment by segment, in Unicode normal form C
+(``storage.canonical_key``). A local walk and an S3 listing of the same
+tree therefore give the same list, the same ``--val-split`` hold-out, the
+same epochs and, with ``--deterministic``, the same weights. Class names
+are NFC too, so a class folder named on macOS (NFD) matches its name typed
+anywhere else.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -26,16 +36,19 @@ class ImageSet:
     """Image files with integer labels into ``classes``.
 
     Attributes:
-        paths: image file paths, in a deterministic order.
+        paths: image file paths (or ``s3://`` URLs), in canonical order.
         labels: class index of each path.
         classes: class names; a label indexes into this list.
         ignored: files that were passed over because they are not images.
+        prefix: what every path starts with: the listed root and a ``/``
+            ("" for lists that were not made by listing a root).
     """
 
     paths: list[str]
     labels: list[int]
     classes: list[str]
     ignored: list[str] = field(default_factory=list)
+    prefix: str = ""
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -45,11 +58,32 @@ class ImageSet:
         return np.bincount(np.asarray(self.labels, dtype=np.int64), minlength=len(self.classes)).tolist()
 
     def subset(self, indices) -> ImageSet:
-        return ImageSet([self.paths[i] for i in indices], [self.labels[i] for i in indices], self.classes)
+        return ImageSet(
+            [self.paths[i] for i in indices], [self.labels[i] for i in indices], self.classes, prefix=self.prefix
+        )
 
     def without(self, bad: set[str]) -> ImageSet:
         keep = [i for i, p in enumerate(self.paths) if p not in bad]
-        return ImageSet([self.paths[i] for i in keep], [self.labels[i] for i in keep], self.classes, self.ignored)
+        return ImageSet(
+            [self.paths[i] for i in keep], [self.labels[i] for i in keep], self.classes, self.ignored, self.prefix
+        )
+
+    def relative(self, i: int) -> str:
+        """Path ``i`` relative to the listed root (NFC): the same for a local tree and its S3 copy."""
+        return storage.nfc(self.paths[i][len(self.prefix) :])
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A digest of the classes and of every image's relative path and label, in order.
+
+        Equal for the same tree on local disk and in S3; different as soon as
+        an image is added, removed, renamed or relabelled, or the split changes.
+        """
+        h = hashlib.sha256()
+        h.update("\0".join(self.classes).encode() + b"\n")
+        for i, label in enumerate(self.labels):
+            h.update(f"{label}\t{self.relative(i)}\n".encode())
+        return h.hexdigest()[:16]
 
 
 def is_image_name(name: str) -> bool:
@@ -67,12 +101,14 @@ def list_folder(root: str, flag: str = "--data", classes: list[str] | None = Non
         s3: ``storage.S3Options`` for an ``s3://`` root.
 
     Returns:
-        The images, sorted by class then path. S3 images are ``s3://`` URLs.
+        The images in canonical order (class, then relative path; see the
+        module docstring). S3 images are ``s3://`` URLs.
 
     Raises:
         UserError: the folder is missing or empty, a class has no images,
-            there are fewer than two classes, or (with ``classes``) a
-            class is not one of the training classes.
+            there are fewer than two classes, two class folders differ only
+            in their Unicode form, or (with ``classes``) a class is not one
+            of the training classes.
     """
     if storage.is_s3(root):
         return _list_s3(root, flag, classes, s3)
@@ -80,10 +116,11 @@ def list_folder(root: str, flag: str = "--data", classes: list[str] | None = Non
         raise UserError(f"data folder {root} does not exist; check {flag}.")
     if not os.path.isdir(root):
         raise UserError(f"{root} is not a folder; {flag} takes a folder with one sub-folder per class.")
+    prefix = root if root.endswith("/") else root + "/"
     entries = sorted(e for e in os.listdir(root) if not e.startswith("."))
-    found = [e for e in entries if os.path.isdir(os.path.join(root, e))]
+    found = [e for e in entries if os.path.isdir(prefix + e)]
     stray = [e for e in entries if e not in found]
-    return _labelled(root, found, stray, lambda name: _walk(os.path.join(root, name)), flag, classes)
+    return _labelled(prefix, found, stray, lambda name: _walk(prefix, name), flag, classes)
 
 
 def _list_s3(root: str, flag: str, classes: list[str] | None, s3) -> ImageSet:
@@ -101,11 +138,13 @@ def _list_s3(root: str, flag: str, classes: list[str] | None, s3) -> ImageSet:
         (images if is_image_name(rel) else others).append(store.full(rel))
     if not files and not stray:
         raise UserError(f"no objects below {store.url}; check the bucket and prefix in {flag}.")
-    return _labelled(store.url.rstrip("/"), sorted(files), stray, lambda name: files[name], flag, classes)
+    prefix = store.url if store.url.endswith("/") else store.url + "/"
+    return _labelled(prefix, list(files), stray, lambda name: files[name], flag, classes)
 
 
-def _labelled(root, found, stray, walk, flag, classes) -> ImageSet:
-    root = root.rstrip("/") or "/"
+def _labelled(prefix, found, stray, walk, flag, classes) -> ImageSet:
+    """The ImageSet of class folders ``found`` below ``prefix`` (``walk(folder)``: its images, others)."""
+    root = prefix.rstrip("/") or "/"
     if not found and any(name.startswith("shard-") and name.endswith(".tfrecord") for name in stray):
         raise UserError(
             f"{root} holds shards but no manifest.json: the pack was interrupted or is still running; "
@@ -113,31 +152,42 @@ def _labelled(root, found, stray, walk, flag, classes) -> ImageSet:
         )
     if not found:
         raise UserError(f"data folder {root} has no class folders; put images in {root}/<class>/ ({flag}).")
-    ignored = [f"{root}/{e}" for e in stray]
+    ignored = [prefix + e for e in stray]
     if stray:
         log.warning(
             "ignored %d file(s) at the top of %s that are in no class folder, e.g. %s", len(stray), root, stray[0]
         )
+    # Class names in NFC, folders in the order of their names.
+    folder_of: dict[str, str] = {}
+    for name in found:
+        other = folder_of.setdefault(storage.nfc(name), name)
+        if other != name:
+            raise UserError(
+                f"class folders {root}/{other} and {root}/{name} ({flag}) have the same name in two Unicode "
+                f"forms (composed and decomposed accents, as macOS writes them); merge them into one folder."
+            )
+    found = sorted(folder_of)
     if classes is None:
         classes = found
     else:
         unknown = [c for c in found if c not in classes]
         if unknown:
             raise UserError(
-                f"class folder {root}/{unknown[0]} ({flag}) is not a training class; "
+                f"class folder {root}/{folder_of[unknown[0]]} ({flag}) is not a training class; "
                 f"training classes are: {', '.join(classes)}. Rename or remove it."
             )
     index = {c: i for i, c in enumerate(classes)}
     paths: list[str] = []
     labels: list[int] = []
     for name in found:
-        images, others = walk(name)
-        ignored.extend(others)
+        images, others = walk(folder_of[name])
+        ignored.extend(sorted(others, key=lambda path: storage.canonical_key(path[len(prefix) :])))
         if not images:
             raise UserError(
-                f"class {name!r} ({root}/{name}) has no images "
+                f"class {name!r} ({root}/{folder_of[name]}) has no images "
                 f"({', '.join(e.lstrip('.') for e in IMAGE_EXTENSIONS)}); add images or remove the folder."
             )
+        images.sort(key=lambda path: storage.canonical_key(path[len(prefix) :]))
         paths.extend(images)
         labels.extend([index[name]] * len(images))
     if len(classes) < 2:
@@ -153,14 +203,15 @@ def _labelled(root, found, stray, walk, flag, classes) -> ImageSet:
             "/".join(IMAGE_EXTENSIONS),
             ignored[len(stray)],
         )
-    return ImageSet(paths, labels, list(classes), ignored)
+    return ImageSet(paths, labels, list(classes), ignored, prefix)
 
 
-def _walk(folder: str) -> tuple[list[str], list[str]]:
+def _walk(prefix: str, folder: str) -> tuple[list[str], list[str]]:
+    """Images and other files below ``prefix + folder``, as ``prefix + relative path`` (any order)."""
     images, others = [], []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
+    for dirpath, dirnames, filenames in os.walk(prefix + folder, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
             if name.startswith("."):
                 continue
             (images if is_image_name(name) else others).append(os.path.join(dirpath, name))

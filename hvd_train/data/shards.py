@@ -124,6 +124,8 @@ class ShardSet:
         class_counts: images per class (of ``classes``).
         alpha_background: what ``pack`` composited transparent images over
             ("" for sets packed before it did).
+        digest: a digest of the manifest's classes, counts and shards: the
+            same set wherever it is read from, another one once repacked.
     """
 
     url: str
@@ -132,6 +134,7 @@ class ShardSet:
     label_map: tuple[int, ...]
     class_counts: tuple[int, ...]
     alpha_background: str = ""
+    digest: str = ""
 
     def __len__(self) -> int:
         return sum(s.images for s in self.shards)
@@ -183,6 +186,7 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
     counts = [0] * len(classes)
     for c, n in zip(own, manifest["class_counts"]):
         counts[classes.index(c)] += int(n)
+    identity = {k: manifest.get(k) for k in ("classes", "class_counts", "shards", "seed", "alpha_background")}
     return ShardSet(
         store.url,
         list(classes),
@@ -190,6 +194,7 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
         tuple(classes.index(c) for c in own),
         tuple(counts),
         str(manifest.get("alpha_background", "")),
+        hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16],
     )
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 import collections
 import io
 import os
+import re
 import tempfile
 import threading
 import time
+import unicodedata
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +41,24 @@ def is_s3(url: str) -> bool:
 def join(url: str, rel: str) -> str:
     """``url`` + ``/`` + ``rel`` for a folder or an S3 prefix."""
     return f"{url.rstrip('/')}/{rel}" if rel else url
+
+
+def nfc(text: str) -> str:
+    """``text`` in Unicode normal form C: the form names take on Linux and in S3 uploads from
+    most systems, while macOS file systems hand out the decomposed form (NFD)."""
+    return unicodedata.normalize("NFC", text)
+
+
+def canonical_key(rel: str) -> tuple[str, ...]:
+    """The sort key of a file path relative to a data root: its NFC segments, compared one by one.
+
+    One order for every source: a local walk and an S3 listing of the same
+    tree give the same list. Comparing segments rather than whole strings
+    keeps a folder's files together (``a/x`` before ``a-b/x``, although
+    ``-`` sorts before ``/``), and NFC makes a name typed on macOS sort like
+    the same name typed elsewhere.
+    """
+    return tuple(nfc(rel).split("/"))
 
 
 @dataclass(frozen=True)
@@ -79,7 +99,7 @@ class Store:
     url: str
 
     def list(self, flag: str) -> list[tuple[str, int]]:
-        """Every file below the root as ``(relative path, size)``, sorted by path."""
+        """Every file below the root as ``(relative path, size)``, in ``canonical_key`` order."""
         raise NotImplementedError
 
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -117,7 +137,7 @@ class LocalStore(Store):
                 if not name.startswith("."):
                     path = os.path.join(dirpath, name)
                     found.append((os.path.relpath(path, self.root).replace(os.sep, "/"), os.path.getsize(path)))
-        return sorted(found)
+        return sorted(found, key=lambda item: canonical_key(item[0]))
 
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         path = os.path.join(self.root, rel)
@@ -186,7 +206,7 @@ class S3Store(Store):
                         found.append((rel, int(obj["Size"])))
         except Exception as e:
             raise self._error(e, "list", self.prefix, flag) from None
-        return sorted(found)
+        return sorted(found, key=lambda item: canonical_key(item[0]))
 
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         return read_url(f"s3://{self.bucket}/{self.key(rel)}", self.options, start, end)
