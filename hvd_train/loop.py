@@ -255,7 +255,7 @@ class Loop:
         )
         self.reader = data.reader
         iterator = iter(data.dataset)
-        with _input_errors(self.ctx.rank):
+        with _input_errors(self.ctx.rank, data.reader):
             for segment, first in data.segments:
                 steps, seconds = self._run_epoch_steps(segment, first, iterator)
                 self._end_epoch(steps, seconds)
@@ -444,7 +444,7 @@ class Loop:
     def evaluate(self, name: str) -> EvalResult:
         """Scores every held-out image once (all ranks take part)."""
         cfg = self.cfg
-        dataset = eval_dataset(
+        held_out = eval_dataset(
             self.job.val,
             rank=self.ctx.rank,
             size=self.ctx.size,
@@ -456,8 +456,8 @@ class Loop:
             s3=cfg.data.s3_options(),
             alpha_background=cfg.data.alpha_background,
         )
-        with _input_errors(self.ctx.rank):
-            result = evaluate(self.net.model, dataset, len(self.job.classes), self.ctx, name=name)
+        with _input_errors(self.ctx.rank, held_out.reader):
+            result = evaluate(self.net.model, held_out.dataset, len(self.job.classes), self.ctx, name=name)
         self.history.last_eval = result
         return result
 
@@ -483,11 +483,32 @@ class Loop:
         self._sample_log.flush()
 
 
+def sample_log_path(folder: str) -> str:
+    """This process's ``--sample-log`` file, named by the launch rank (it stays with the process) and the pid."""
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"rank-{launcher_rank()[0]}-{os.getpid()}.jsonl")
+
+
+def log_sample_event(folder: str, event: str, state: TrainState) -> None:
+    """Appends an elastic ``commit`` or ``rollback`` line to this process's ``--sample-log``.
+
+    An audit counts a step as trained only if a commit follows it before any
+    rollback: the steps after the last commit of a lost worker, and of the
+    survivors before they rolled back, were undone.
+    """
+    if not folder:
+        return
+    with open(sample_log_path(folder), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": round(time.time(), 3), "event": event, "epoch": state.epoch, "step": state.step}))
+        f.write("\n")
+
+
 class _input_errors:
     """Turns an input pipeline failure into a UserError naming the cause (this rank only knows it)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, reader=None):
         self.rank = rank
+        self.reader = reader
 
     def __enter__(self):
         return self
@@ -497,7 +518,7 @@ class _input_errors:
             return False
         if distributed.is_horovod_failure(e):
             return False  # a lost worker: the elastic wrapper handles it
-        failure = input_failure()
+        failure = input_failure(self.reader)
         if failure is not None:
             # S3 gave up after its retries, or a shard is corrupt.
             if isinstance(failure, UserError):

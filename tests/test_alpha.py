@@ -114,7 +114,7 @@ def test_training_evaluation_and_prediction_composite(folder, background):
     expected = sorted([value] * (n - 1) + [77.0])
     # the green channel of the top rows is 0 in every hidden colour: the background shows
     kw = dict(image_size=8, preprocess=lambda x: x, alpha_background=background)
-    ds = eval_dataset(images, rank=0, size=1, batch_size=4, crop_fraction=1.0, **kw)
+    ds = eval_dataset(images, rank=0, size=1, batch_size=4, crop_fraction=1.0, **kw).dataset
     assert _top_left_values(ds.as_numpy_iterator()) == expected
     ds = predict_dataset(paths, batch_size=4, crop_fraction=1.0, **kw)
     assert _top_left_values((b,) for b in ds.as_numpy_iterator()) == expected
@@ -161,7 +161,7 @@ def test_pack_stores_composited_pngs_and_leaves_opaque_images_byte_for_byte(fold
         crop_fraction=1.0,
         preprocess=lambda x: x,
         alpha_background="white",
-    )  # the pack's choice stays
+    ).dataset  # the pack's choice stays
     assert _top_left_values(ds.as_numpy_iterator()).count(0.0) == len(transparent_images())
 
 

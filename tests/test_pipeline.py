@@ -110,6 +110,6 @@ def test_evaluation_counts_each_image_once(files):
                 image_size=8,
                 crop_fraction=0.875,
                 preprocess=lambda x: x,
-            )
+            ).dataset
             seen += labels_of(ds)
         assert sorted(seen) == list(range(N)), size

@@ -195,7 +195,9 @@ def test_pack_s3_folder_to_s3_shards_and_read_back(s3, tmp_path):
     assert S3_SECRET not in json.dumps(manifest)
     shard_set = shards.load(f"s3://{bucket}/packed/", "--data", options)
     assert len(shard_set.shards) > 2
-    ds = eval_dataset(shard_set, rank=0, size=1, batch_size=5, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    ds = eval_dataset(
+        shard_set, rank=0, size=1, batch_size=5, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
+    ).dataset
     labels = [int(y) for _, ys in ds.as_numpy_iterator() for y in ys]
     assert sorted(labels) == [0] * 7 + [1] * 5
 
@@ -210,11 +212,33 @@ def test_corrupt_s3_shard_names_the_key(s3, tmp_path):
     body[40] ^= 0xFF
     client.put_object(Bucket=bucket, Key="p/shard-00000.tfrecord", Body=bytes(body))
     shard_set = shards.load(f"s3://{bucket}/p/", "--data", options)
-    ds = eval_dataset(shard_set, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    held_out = eval_dataset(
+        shard_set, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
+    )
     with pytest.raises(Exception):  # noqa: B017 - tf.data's wrapper; the reader keeps the real error
-        list(ds.as_numpy_iterator())
-    from hvd_train.data.pipeline import StreamReader
-
-    error = StreamReader.failures[-1]
+        list(held_out.dataset.as_numpy_iterator())
+    error = input_failure(held_out.reader)
     assert isinstance(error, UserError)
     assert f"s3://{bucket}/p/shard-00000.tfrecord" in str(error) and "corrupt" in str(error)
+
+
+def test_an_abandoned_stream_is_no_failure_and_each_reader_keeps_its_own(s3, tmp_path):
+    # lr-find's take(steps) and an elastic reset abandon a stream; its GeneratorExit
+    # must not stand in for a later, real failure of another reader.
+    server, bucket = s3
+    local = write_images(tmp_path / "d", {"a": 6, "b": 6}, size=10)
+    server.upload_folder(local, bucket, "imgs/")
+    images = list_folder(f"s3://{bucket}/imgs/", "--data", s3=OPTIONS)
+    segments = [(Segment.whole(0, len(images), 1, 2, seed=1), 0)]
+    made = train_input(
+        images, segments, rank=0, image_size=8, augment="none", preprocess=lambda x: x, seed=1, s3=OPTIONS
+    )
+    assert len(list(made.dataset.take(1).as_numpy_iterator())) == 1
+    assert input_failure(made.reader) is None, "an abandoned stream is not a failure"
+    server.client().delete_object(Bucket=bucket, Key="imgs/b/img-001.png")
+    broken = eval_dataset(images, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    with pytest.raises(Exception):  # noqa: B017 - tf.data's wrapper; the reader keeps the real error
+        list(broken.dataset.as_numpy_iterator())
+    error = input_failure(made.reader, broken.reader)
+    assert isinstance(error, UserError) and f"s3://{bucket}/imgs/b/img-001.png does not exist" in str(error)
+    assert input_failure(made.reader) is None

@@ -159,7 +159,7 @@ def test_evaluation_counts_each_image_once(packed):
         for rank in range(size):
             ds = eval_dataset(
                 shard_set, rank=rank, size=size, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
-            )
+            ).dataset
             ids += ids_of(ds)[0]
         assert sorted(ids) == list(range(N)), size
 
@@ -167,7 +167,9 @@ def test_evaluation_counts_each_image_once(packed):
 def test_held_out_labels_map_onto_training_classes(packed):
     shard_set = shards.load(str(packed), "--val-data", classes=["class2", "class0", "class1", "other"])
     assert shard_set.label_map == (1, 2, 0) and shard_set.counts() == [15, 16, 16, 0]
-    ds = eval_dataset(shard_set, rank=0, size=1, batch_size=8, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    ds = eval_dataset(
+        shard_set, rank=0, size=1, batch_size=8, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
+    ).dataset
     ids, labels = ids_of(ds)
     assert all(label == [1, 2, 0][i % 3] for i, label in zip(ids, labels))
     with pytest.raises(UserError, match="class 'class2' of .* is not a training class"):

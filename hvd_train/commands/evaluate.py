@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     s3 = S3Options(endpoint=args.s3_endpoint)
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)
-    dataset = eval_dataset(
+    held_out = eval_dataset(
         images,
         rank=ctx.rank,
         size=ctx.size,
@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
         alpha_background=args.alpha_background or trained.alpha_background,
     )
     try:
-        result = evaluate(trained.model, dataset, len(trained.classes), ctx, name="evaluate")
+        result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
     except Exception:  # tf.data says only that a generator raised; the reader knows why
-        failure = input_failure()
+        failure = input_failure(held_out.reader)
         if isinstance(failure, UserError):
             # S3 gave up after its retries, or a shard is corrupt: this rank ends the job.
             raise UserError(f"rank {ctx.rank}: {failure}") from None

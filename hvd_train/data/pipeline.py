@@ -196,18 +196,17 @@ def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True
 class StreamReader:
     """Feeds records fetched by a pool of threads into tf.data.
 
-    Remembers the first failure of the fetch so the trainer can report it
+    Remembers the first failure of its fetches so the trainer can report it
     (tf.data would only say that a Python generator raised), and counts
-    how long the pipeline waited on storage. ``failures`` collects the first
-    failure of every reader of the process, evaluation readers included.
+    how long the pipeline waited on storage. A stream that its consumer
+    abandons (``take(n)``, a dataset dropped at an elastic reset) ends with
+    ``GeneratorExit``: that is no failure and is not recorded.
     """
-
-    failures: list[BaseException] = []
 
     def __init__(self, s3: storage.S3Options, local: bool = False):
         self.s3 = s3
         self.fetcher = storage.Fetcher(8 if local else s3.concurrency)
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
         self._stores: dict[str, storage.Store] = {}
 
     def read_block(self, shard_set: ShardSet, block: Block) -> list[bytes]:
@@ -223,10 +222,9 @@ class StreamReader:
         def guarded():
             try:
                 yield from stream()
-            except BaseException as e:
+            except Exception as e:  # not GeneratorExit: an abandoned stream did not fail
                 if self.error is None:
                     self.error = e
-                    StreamReader.failures.append(e)
                 raise
 
         return tf.data.Dataset.from_generator(guarded, output_signature=signature)
@@ -235,9 +233,17 @@ class StreamReader:
         return self.fetcher.stats()
 
 
-def input_failure() -> BaseException | None:
-    """The first failure of any S3 or shard reader of this process, if any."""
-    return StreamReader.failures[0] if StreamReader.failures else None
+def input_failure(*readers: StreamReader | None) -> Exception | None:
+    """The first failure of ``readers`` (the ones feeding the dataset that failed), if any."""
+    return next((r.error for r in readers if r is not None and r.error is not None), None)
+
+
+@dataclass(frozen=True)
+class EvalInput:
+    """One rank's held-out batches, and the reader that fetches them (None for local image files)."""
+
+    dataset: tf.data.Dataset
+    reader: StreamReader | None = None
 
 
 def eval_dataset(
@@ -252,7 +258,7 @@ def eval_dataset(
     threads: int = 0,
     s3: storage.S3Options | None = None,
     alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
-) -> tf.data.Dataset:
+) -> EvalInput:
     """Builds rank ``rank``'s share of held-out images: no padding, no drops.
 
     Folder images are dealt round-robin (rank ``r`` takes ``r, r+size, ...``);
@@ -260,6 +266,7 @@ def eval_dataset(
     ``(images, labels)``; the last batch may be smaller.
     """
     s3 = s3 or storage.S3Options()
+    reader = None
 
     def center(contents):
         window = center_window(crop_fraction)
@@ -300,7 +307,7 @@ def eval_dataset(
             ds = ds.map(lambda i, p: (i, tf.io.read_file(p)), num_parallel_calls=tf.data.AUTOTUNE)
         ds = ds.map(lambda i, contents: (center(contents), labels_t[i]), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.batch(batch_size).map(lambda images, labels: (preprocess(images), labels))
-    return _with_threads(ds.prefetch(tf.data.AUTOTUNE), threads)
+    return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 
 
 def predict_dataset(
