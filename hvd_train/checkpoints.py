@@ -9,14 +9,23 @@ next one (``--checkpoint-every``, or a stop on a signal). It holds
 * ``local.npz``: the values that differ from rank to rank (BatchNorm moving
   statistics while they train, the running sums of the epoch's metrics), one
   row per rank, so a resume with the same workers continues exactly;
-* ``state.json``: the ``TrainState`` and the size and CRC32C of every file.
+* ``state.json``: the ``TrainState``, the digests of the image lists it was
+  made with, the size and CRC32C of every other file, and a CRC32C of its
+  own contents.
 
 It is written under a temporary name, flushed to disk and renamed when
-complete, so a crash mid-write never leaves a checkpoint that looks whole;
-one that is damaged later (a disk that filled up, a file cut short) fails
-its checksums and is passed over, with a warning, for the one before it. A
-save that fails is an error naming the folder and the reason, and leaves
-the previous checkpoints as they were.
+complete, so a crash mid-write never leaves a checkpoint that looks whole.
+A name is never written twice: a second checkpoint at the same point (a
+rerun that stops where the last one did) gets the next generation,
+``epoch-NNNN-step-SSSSSS.2``, which sorts after the first; so no rename ever
+replaces or sets aside a complete checkpoint. One that is damaged later (a
+disk that filled up, a file cut short, a flipped digit) fails its checksums;
+the resume moves it to ``checkpoints/damaged/`` with a warning and takes the
+one before it. A save that fails is an error naming the folder and the
+reason, and leaves the previous checkpoints as they were. Pruning to
+``--keep-checkpoints`` never removes the checkpoint just written; the ones
+that sort after it belong to a course the run no longer follows (it resumed
+from an earlier one) and are removed first.
 """
 
 from __future__ import annotations
@@ -31,19 +40,22 @@ from dataclasses import dataclass
 
 import google_crc32c
 import numpy as np
-import tensorflow as tf
 
+from hvd_train.compat import tf
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 from hvd_train.state import TrainState
 
 log = get_logger("checkpoints")
 
-_NAME = re.compile(r"^epoch-(\d{4,})(?:-step-(\d{6,}))?$")
+_NAME = re.compile(r"^epoch-(\d{4,})(?:-step-(\d{6,}))?(?:\.(\d+))?$")
 STATE_FILE = "state.json"
 LOCAL_FILE = "local.npz"
+DAMAGED = "damaged"
 FORMAT = "hvd_train.checkpoint"
-VERSION = 2
+VERSION = 3
+# Version 2 (before state.json carried its own checksum and the data digests) is still read.
+READABLE_VERSIONS = (2, 3)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ class Found:
     Attributes:
         path: its folder.
         state: the training state it holds.
-        info: the rest of ``state.json`` (metrics, world size, ...).
+        info: the rest of ``state.json`` (metrics, world size, data digests, ...).
     """
 
     path: str
@@ -72,6 +84,24 @@ def name_for(state: TrainState) -> str:
     return f"epoch-{state.epoch:04d}-step-{state.epoch_steps:06d}"
 
 
+def _order(name: str) -> tuple[int, int, int] | None:
+    """Where checkpoint ``name`` sorts: (epoch, step, generation); None for other names."""
+    match = _NAME.match(name)
+    if not match:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0), int(match.group(3) or 1)
+
+
+def _free_name(root: str, name: str) -> str:
+    """``name``, or its next generation (``name.2``, ...) when a checkpoint of that name exists."""
+    generations = [
+        order[2]
+        for other in (os.listdir(root) if os.path.isdir(root) else [])
+        if (other == name or other.startswith(name + ".")) and (order := _order(other))
+    ]
+    return f"{name}.{max(generations) + 1}" if generations else name
+
+
 def save(
     output: str,
     name: str,
@@ -82,7 +112,7 @@ def save(
     info: dict,
     keep: int,
 ) -> str:
-    """Writes checkpoint ``name``; keeps the newest ``keep``.
+    """Writes checkpoint ``name`` (or its next generation); keeps the newest ``keep``.
 
     Args:
         local: per-rank values, each an array with one row per rank.
@@ -100,6 +130,7 @@ def save(
     tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
+        final = os.path.join(root, _free_name(root, name))
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(tmp, "ckpt"))
@@ -114,27 +145,40 @@ def save(
             "time": time.time(),
             **info,
         }
+        body["checksum"] = _body_checksum(body)
         _write_synced(os.path.join(tmp, STATE_FILE), (json.dumps(body, indent=1) + "\n").encode())
         _fsync_dir(tmp)
-        if os.path.exists(final):
-            # Rewriting a name (a rerun of the same epoch): the new one replaces it whole.
-            old = os.path.join(root, f".{name}.old-{os.getpid()}")
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        # The only rename: a new name, so no complete checkpoint is ever replaced or moved.
+        os.rename(tmp, final)
         _fsync_dir(root)
     except (OSError, tf.errors.OpError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
-        hint = "free some space" if getattr(e, "errno", None) == errno.ENOSPC or "space" in reason else "check it"
+        reason = _reason(e)
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+            os.strerror(code) in reason for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        )
+        hint = "free some space" if full else "check it"
         raise UserError(
             f"cannot write checkpoint {final} ({reason}); {hint} or choose another --output. "
             f"The previous checkpoints are intact."
         ) from None
-    _prune(root, keep)
+    _prune(root, final, keep)
     return final
+
+
+def _reason(e: Exception) -> str:
+    """Why a write failed, in the words of the OS: an OSError's, or the text inside TensorFlow's."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)  # "{{function_node __wrapped__SaveV2_...}}"
+    return re.sub(r"\s*\[Op:\w+\]$", "", text)
+
+
+def _body_checksum(body: dict) -> str:
+    """CRC32C of ``body`` without its checksum, as canonical JSON: a flipped digit anywhere shows."""
+    canonical = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True).encode()
+    return google_crc32c.Checksum(canonical).hexdigest().decode()
 
 
 def _digest(path: str) -> dict:
@@ -168,48 +212,90 @@ def candidates(output: str) -> list[str]:
     root = folder(output)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        match = _NAME.match(name)
-        if match:
-            found.append(((int(match.group(1)), int(match.group(2) or 0)), os.path.join(root, name)))
+    found = [(order, os.path.join(root, name)) for name in os.listdir(root) if (order := _order(name))]
     return [path for _, path in sorted(found, reverse=True)]
 
 
 def verify(path: str) -> Found:
-    """Reads ``state.json`` and checks every file against its size and CRC32C.
+    """Reads ``state.json``, checks its own checksum and every file against its size and CRC32C.
 
     Raises:
-        ValueError: the checkpoint is incomplete or damaged (why, in words).
+        ValueError: the checkpoint is incomplete, damaged or unreadable (why, in words).
     """
     try:
         with open(os.path.join(path, STATE_FILE), "rb") as f:
             body = json.loads(f.read())
     except FileNotFoundError:
         raise ValueError("no state.json: the write did not finish") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"state.json unreadable: {e}") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") != VERSION:
-        raise ValueError(f"state.json is not a {FORMAT} version {VERSION} checkpoint")
-    for rel, want in body["files"].items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            raise ValueError(f"{rel} is missing")
-        got = _digest(file)
-        if got != want:
-            raise ValueError(f"{rel} is damaged ({got['bytes']} bytes, expected {want['bytes']}; checksum mismatch)")
-    info = {k: v for k, v in body.items() if k not in ("format", "version", "state", "files")}
-    return Found(path, TrainState.from_dict(body["state"]), info)
+    except OSError as e:
+        raise ValueError(f"state.json unreadable ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"state.json is not JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") not in READABLE_VERSIONS:
+        raise ValueError(f"state.json is not a {FORMAT} of version {' or '.join(map(str, READABLE_VERSIONS))}")
+    if body["version"] >= 3 and body.get("checksum") != _body_checksum(body):
+        raise ValueError("state.json is damaged (its checksum does not match its contents)")
+    try:
+        for rel, want in body["files"].items():
+            file = os.path.join(path, rel)
+            if not os.path.isfile(file):
+                raise ValueError(f"{rel} is missing")
+            try:
+                got = _digest(file)
+            except OSError as e:
+                raise ValueError(f"{rel} unreadable ({e.strerror or e})") from None
+            if got != want:
+                raise ValueError(
+                    f"{rel} is damaged ({got['bytes']} bytes, expected {want['bytes']}; checksum mismatch)"
+                )
+        state = TrainState.from_dict(body["state"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"state.json lacks or garbles {e}") from None
+    skip = ("format", "version", "state", "files", "checksum")
+    return Found(path, state, {k: v for k, v in body.items() if k not in skip})
 
 
-def latest(output: str) -> Found | None:
-    """The newest intact checkpoint of ``output``; damaged ones are passed over with a warning."""
+def latest(output: str, set_aside: bool = False) -> Found | None:
+    """The newest intact checkpoint of ``output``; damaged ones are passed over with a warning.
+
+    Args:
+        set_aside: move damaged checkpoints to ``checkpoints/damaged/``
+            (the run that resumes does, so that they never count again:
+            neither for a later resume nor for pruning).
+    """
     for path in candidates(output):
         try:
             return verify(path)
         except ValueError as e:
-            log.warning("skipping checkpoint %s: %s; using the one before it", path, e)
+            moved = _set_aside(path) if set_aside else None
+            log.warning(
+                "skipping checkpoint %s: %s; %susing the one before it",
+                path,
+                e,
+                f"moved it to {moved}; " if moved else "",
+            )
     return None
+
+
+def _set_aside(path: str) -> str | None:
+    """Moves a damaged checkpoint into ``checkpoints/damaged/``; returns where (None if it cannot)."""
+    aside = os.path.join(os.path.dirname(path), DAMAGED)
+    target = os.path.join(aside, f"{os.path.basename(path)}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        os.makedirs(aside, exist_ok=True)
+        os.rename(path, target)
+        return target
+    except OSError as e:
+        log.warning("cannot move the damaged checkpoint %s aside (%s)", path, e.strerror or e)
+        return None
+
+
+def remove_all(output: str) -> int:
+    """Deletes every checkpoint of ``output`` (``--no-resume``, once training starts); returns how many."""
+    paths = candidates(output)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(paths)
 
 
 def restore(found: Found, model, optimizer) -> dict[str, np.ndarray]:
@@ -235,9 +321,19 @@ def restore(found: Found, model, optimizer) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-def _prune(root: str, keep: int) -> None:
+def _prune(root: str, written: str, keep: int) -> None:
+    """Keeps ``written`` and the newest ``keep - 1`` checkpoints before it; removes the rest.
+
+    Checkpoints that sort after ``written`` are from before a resume that
+    went back to an earlier one: the run left that course, and they would
+    shadow every new checkpoint on the next resume.
+    """
     names = candidates(os.path.dirname(root))
-    for path in names[keep:]:
+    newer = names[: names.index(written)] if written in names else []
+    older = names[names.index(written) + 1 :] if written in names else []
+    for path in newer:
+        log.info("removing checkpoint %s: it is from before the resume to an earlier one", path)
+    for path in newer + older[max(0, keep - 1) :]:
         shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):  # temporaries of crashed writers
         if name.startswith(".") and (".tmp-" in name or ".old-" in name) and not name.endswith(f"-{os.getpid()}"):

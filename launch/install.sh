@@ -51,7 +51,8 @@ fi
 # iproute2: `ip`, for the multi-host test's network namespaces; curl: launch/aws-spot-watch.sh.
 apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2 curl)
 # The tests open report.html in a real headless browser.
-[[ ",$extras," == *",test,"* || ",$extras," == *",dev,"* ]] && apt_packages+=(chromium fonts-dejavu-core)
+# strace: a checkpoint test reads the renames of a save as the kernel saw them.
+[[ ",$extras," == *",test,"* || ",$extras," == *",dev,"* ]] && apt_packages+=(chromium fonts-dejavu-core strace)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,5 +1,7 @@
+import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 
@@ -10,6 +12,8 @@ from hvd_train import checkpoints
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.state import TrainState
+
+from conftest import unavailable
 
 
 def small_model(units=3):
@@ -112,43 +116,205 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
         checkpoints.restore(checkpoints.latest(str(tmp_path)), other, other_opt)
 
 
-def test_a_save_that_cannot_write_is_a_clear_error_and_keeps_the_previous(tmp_path):
-    model, opt = trained()
-    save(tmp_path, state_at(1), model, opt)
-    blocked = tmp_path / "blocked"
-    blocked.mkdir()
-    (blocked / "checkpoints").write_text("a file where the checkpoint folder should be")
-    with pytest.raises(
-        UserError, match=r"cannot write checkpoint .*blocked/checkpoints/epoch-0002.*choose another --output"
-    ):
-        save(blocked, state_at(2), model, opt)
-    assert checkpoints.latest(str(tmp_path)).path.endswith("epoch-0001")
-
-
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 600 KB file system (tmpfs), where a checkpoint of a big model cannot fit."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small tmpfs needs root")
+        unavailable("root", "mounting a small tmpfs needs root")
     mount = tmp_path / "disk"
     mount.mkdir()
     proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
     if proc.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        unavailable("root", f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_disk_full_is_a_clear_error_and_leaves_the_previous_checkpoint_intact(tiny_disk):
-    small, small_opt = trained(units=3)
-    save(tiny_disk, state_at(1), small, small_opt)
+def big_model():
     inputs = keras.Input((400,))
     big = keras.Model(inputs, keras.layers.Dense(400)(inputs))  # 160,000 weights: 640 KB
     big_opt = keras.optimizers.SGD(0.1, momentum=0.9)
     big_opt.build(big.trainable_variables)
+    return big, big_opt
+
+
+def test_disk_full_is_a_clear_error_and_leaves_the_previous_checkpoint_intact(tiny_disk):
+    small, small_opt = trained(units=3)
+    save(tiny_disk, state_at(1), small, small_opt, keep=1)
+    big, big_opt = big_model()
     with pytest.raises(
         UserError, match=r"cannot write checkpoint .*epoch-0002.*No space left on device.*free some space"
     ):
-        save(tiny_disk, state_at(2), big, big_opt)
+        save(tiny_disk, state_at(2), big, big_opt, keep=1)
     assert os.listdir(tiny_disk / "checkpoints") == ["epoch-0001"], "no half-written checkpoint is left"
     assert checkpoints.latest(str(tiny_disk)).path.endswith("epoch-0001")
+    # With room again, the next save goes through and only then replaces the previous (keep 1).
+    save(tiny_disk, state_at(2), small, small_opt, keep=1)
+    assert os.listdir(tiny_disk / "checkpoints") == ["epoch-0002"]
+
+
+# The same with a file size limit (RLIMIT_FSIZE), which needs no root: a process of its own.
+_SAVE_UNDER_LIMIT = """
+import json, sys
+import numpy as np
+from hvd_train import checkpoints
+from hvd_train.compat import keras
+from hvd_train.errors import UserError
+from hvd_train.state import TrainState
+
+out = sys.argv[1]
+def model(width):
+    inputs = keras.Input((width,))
+    m = keras.Model(inputs, keras.layers.Dense(width)(inputs))
+    opt = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt.build(m.trainable_variables)
+    return m, opt
+def state(epoch):
+    return TrainState(seed=1, world_size=1, batch_size=4, global_batch=4, total=100, epoch=epoch)
+rows = {"rows": np.zeros((1, 3), np.float32)}
+checkpoints.save(out, "epoch-0001", *model(4), state(1), rows, {}, keep=1)
+try:
+    checkpoints.save(out, "epoch-0002", *model(400), state(2), rows, {}, keep=1)
+    error = None
+except UserError as e:
+    error = str(e)
+print(json.dumps({"error": error, "latest": checkpoints.latest(out).path}))
+"""
+
+
+def test_a_file_size_limit_is_a_clear_error_and_leaves_the_previous_checkpoint_intact(tmp_path):
+    import resource
+    import signal
+    import sys
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVE_UNDER_LIMIT, str(tmp_path)], capture_output=True, text=True, preexec_fn=limited
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert re.search(
+        r"cannot write checkpoint .*epoch-0002 \(.*[Ff]ile too large.*\); free some space", result["error"]
+    )
+    assert result["latest"].endswith("epoch-0001")
+    assert os.listdir(tmp_path / "checkpoints") == ["epoch-0001"], "no half-written checkpoint is left"
+
+
+def test_a_damaged_newer_checkpoint_is_moved_aside_and_never_outlives_new_saves(tmp_path, caplog):
+    model, opt = trained()
+    save(tmp_path, state_at(2), model, opt)
+    damaged = save(tmp_path, state_at(3), model, opt)
+    with open(os.path.join(damaged, "local.npz"), "r+b") as f:
+        f.truncate(10)
+    with caplog.at_level(logging.WARNING, logger="hvd_train"):
+        found = checkpoints.latest(str(tmp_path), set_aside=True)
+    assert found.path.endswith("epoch-0002")
+    [aside] = os.listdir(tmp_path / "checkpoints" / "damaged")
+    assert aside.startswith("epoch-0003-") and any("moved it to" in r.message for r in caplog.records)
+    # Resumed from epoch 2 with --keep-checkpoints 1: the new save is kept, whatever sorts where.
+    written = save(tmp_path, state_at(2, 5), model, opt, keep=1)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["damaged", "epoch-0002-step-000005"]
+    assert checkpoints.latest(str(tmp_path)).path == written
+
+
+def test_checkpoints_after_the_one_resumed_from_are_removed_by_the_next_save(tmp_path):
+    # A run that resumed from an earlier checkpoint (e.g. its epoch started over) left the
+    # later ones behind: they would shadow every new checkpoint on the next resume.
+    model, opt = trained()
+    for epoch, steps in ((2, 0), (3, 0), (3, 40)):
+        save(tmp_path, state_at(epoch, steps), model, opt)
+    written = save(tmp_path, state_at(3, 10), model, opt, keep=2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch-0003", "epoch-0003-step-000010"]
+    assert checkpoints.latest(str(tmp_path)).path == written
+
+
+def test_a_checkpoint_written_twice_at_the_same_point_gets_a_new_generation(tmp_path):
+    model, opt = trained()
+    first = save(tmp_path, state_at(2, 7), model, opt, keep=1)
+    second = checkpoints.save(
+        str(tmp_path), checkpoints.name_for(state_at(2, 7)), model, opt, state_at(2, 7), {"rows": np.zeros((1, 1))},
+        {"note": "again"}, 1,
+    )  # fmt: skip
+    assert first.endswith("epoch-0002-step-000007") and second.endswith("epoch-0002-step-000007.2")
+    found = checkpoints.latest(str(tmp_path))
+    assert found.path == second and found.info["note"] == "again"
+    assert os.listdir(tmp_path / "checkpoints") == ["epoch-0002-step-000007.2"]
+
+
+_REWRITE = """
+import sys
+import numpy as np
+from hvd_train import checkpoints
+from hvd_train.compat import keras
+from hvd_train.state import TrainState
+
+inputs = keras.Input((4,))
+model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+opt = keras.optimizers.SGD(0.1, momentum=0.9)
+opt.build(model.trainable_variables)
+state = TrainState(seed=1, world_size=1, batch_size=4, global_batch=4, total=100, epoch=2)
+for note in ("first", "second"):
+    checkpoints.save(sys.argv[1], "epoch-0002", model, opt, state, {"rows": np.zeros((1, 1))}, {"note": note}, keep=1)
+"""
+
+
+def test_no_save_ever_moves_or_replaces_a_complete_checkpoint(tmp_path):
+    # Every rename of two saves at the same point, as the kernel saw them: a crash between
+    # any two syscalls must leave a complete checkpoint of that point.
+    import sys
+
+    assert shutil.which("strace"), "strace is missing: launch/install.sh installs it with the test extras"
+    log = tmp_path / "syscalls"
+    proc = subprocess.run(
+        ["strace", "-f", "-qq", "-o", log, "-e", "trace=rename,renameat,renameat2", sys.executable, "-c", _REWRITE,
+         tmp_path],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # rename("a", "b"), renameat(AT_FDCWD, "a", AT_FDCWD, "b"), renameat2(..., 0)
+    renames = re.findall(r'rename(?:at2?)?\((?:\w+, )?"([^"]+)", (?:\w+, )?"([^"]+)"', log.read_text())
+    folder = str(tmp_path / "checkpoints")
+    moved = [(a, b) for a, b in renames if os.path.dirname(a) == folder and checkpoints._order(os.path.basename(a))]
+    assert not moved, f"a complete checkpoint was renamed: {moved}"
+    replaced = [b for _, b in renames if os.path.dirname(b) == folder and os.path.basename(b) == "epoch-0002"]
+    assert len(replaced) == 1, f"epoch-0002 was written {len(replaced)} times"
+    assert checkpoints.latest(str(tmp_path)).info["note"] == "second"
+
+
+@pytest.mark.parametrize("damage", ["flipped digit", "missing key", "read error"])
+def test_a_checkpoint_with_a_damaged_state_or_unreadable_files_is_skipped(tmp_path, caplog, damage):
+    model, opt = trained()
+    save(tmp_path, state_at(1), model, opt)
+    newest = save(tmp_path, state_at(1, 9), model, opt)
+    state_file = os.path.join(newest, "state.json")
+    body = json.loads(open(state_file).read())
+    if damage == "flipped digit":  # still valid JSON, still a plausible state
+        text = open(state_file).read().replace('"epoch_steps": 9', '"epoch_steps": 8')
+        open(state_file, "w").write(text)
+    elif damage == "missing key":
+        del body["files"]
+        body["checksum"] = checkpoints._body_checksum(body)
+        open(state_file, "w").write(json.dumps(body))
+    else:  # a file whose every read fails with EIO, as on a failing disk: /proc/self/mem at offset 0
+        os.remove(os.path.join(newest, "local.npz"))
+        os.symlink("/proc/self/mem", os.path.join(newest, "local.npz"))
+    with caplog.at_level(logging.WARNING, logger="hvd_train"):
+        found = checkpoints.latest(str(tmp_path))
+    assert found.path.endswith("epoch-0001")
+    assert any("skipping checkpoint" in r.message and "epoch-0001-step-000009" in r.message for r in caplog.records)
+
+
+def test_state_json_of_version_2_is_still_read(tmp_path):
+    model, opt = trained()
+    path = save(tmp_path, state_at(1, 3), model, opt)
+    state_file = os.path.join(path, "state.json")
+    body = json.loads(open(state_file).read())
+    body["version"] = 2
+    del body["checksum"]
+    open(state_file, "w").write(json.dumps(body))
+    assert checkpoints.latest(str(tmp_path)).state.epoch_steps == 3
