@@ -277,7 +277,14 @@ class RunConfig:
         output: folder for the model, logs, checkpoints and metrics.
         epochs: number of training epochs.
         seed: seed of the split, the shuffles and the augmentation.
-        resume: continue from the latest checkpoint in ``output``.
+        resume: continue from the latest checkpoint in ``output``. False
+            (``--no-resume``) starts over; the checkpoints already in
+            ``output`` are deleted once training starts (after the data is
+            listed and the model built), not before.
+        allow_data_change: resume even when the images listed now differ
+            from those the checkpoint was made with (its digests); the
+            interrupted epoch then starts over. Without it such a resume is
+            refused: the rest of the run would map onto other files.
         keep_checkpoints: how many checkpoints to keep (epoch ends and mid-epoch ones together).
         checkpoint_every: also checkpoint inside epochs: every N steps
             (``500``) or every duration (``90s``, ``15m``, ``2h``); empty:
@@ -290,13 +297,25 @@ class RunConfig:
             each step (JSON lines), to audit what was trained on. A step's
             line is written as the step starts, before its allreduce: every
             step that completed is there, and a step cut short by a lost
-            worker or a kill may be there too.
+            worker or a kill may be there too. In an elastic job, ``commit``
+            and ``rollback`` lines mark what was kept: a step counts once a
+            commit follows it before any rollback.
     """
 
     output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
     epochs: int = _opt(10, "--epochs", "number of training epochs")
     seed: int = _opt(42, "--seed", "seed of the split, the shuffles and the augmentation")
-    resume: bool = _opt(True, "--resume", "continue from the latest checkpoint in --output")
+    resume: bool = _opt(
+        True,
+        "--resume",
+        "continue from the latest checkpoint in --output; --no-resume starts over and deletes the checkpoints "
+        "in --output once training starts (after the data is listed and the model built)",
+    )
+    allow_data_change: bool = _opt(
+        False,
+        "--allow-data-change",
+        "resume even when the images differ from those of the checkpoint (the interrupted epoch starts over)",
+    )
     keep_checkpoints: int = _opt(2, "--keep-checkpoints", "how many checkpoints to keep")
     checkpoint_every: str = _opt(
         "", "--checkpoint-every", "also checkpoint every N steps or every duration such as 15m (empty: epoch ends)"

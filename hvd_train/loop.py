@@ -88,6 +88,15 @@ class Job:
         keep = state is not None and self.cfg.horovod.elastic_batch == "keep-global-batch"
         return make_plan(self.cfg, world_size, len(self.train), state.global_batch if keep else None)
 
+    def data_identity(self) -> dict:
+        """Digests and sizes of the training and held-out lists, as checkpoints record them."""
+        return {
+            "train": self.train.digest,
+            "train_images": len(self.train),
+            "val": self.val.digest if self.val is not None else None,
+            "val_images": len(self.val) if self.val is not None else 0,
+        }
+
     def layout(self, epoch: int) -> Layout:
         """How epoch ``epoch`` is dealt to ranks."""
         if isinstance(self.train, ShardSet):
@@ -118,6 +127,10 @@ class History:
             redone, seconds from the failure to training again.
         checkpoint_seconds: time spent writing checkpoints (not in throughput).
         resumed_from: the checkpoint the run started from, if any.
+        resumed_metrics: ``(epoch, logs)`` of the last finished epoch, as
+            the checkpoint resumed from recorded them (so metrics.csv gets
+            its row back if the process died after the checkpoint but
+            before writing it).
         input_stats: this rank's storage reader counters, if it used one.
     """
 
@@ -127,7 +140,16 @@ class History:
     resets: list[dict] = field(default_factory=list)
     checkpoint_seconds: float = 0.0
     resumed_from: str | None = None
+    resumed_metrics: tuple[int, dict] | None = None
     input_stats: dict | None = None
+
+    def metrics_of(self, epoch: int) -> dict:
+        """The logs of finished epoch ``epoch`` (0-based), this process's or the resumed checkpoint's."""
+        if epoch in self.epochs:
+            return self.epochs[epoch]
+        if self.resumed_metrics is not None and self.resumed_metrics[0] == epoch:
+            return self.resumed_metrics[1]
+        return {}
 
     def rates(self) -> list[float]:
         """images/s of each epoch trained in this process, in order."""
@@ -188,13 +210,17 @@ class Loop:
         """
         plan = self.configure()
         self.history.world_sizes.append(self.ctx.size)
-        while self.state.epoch < self.cfg.run.epochs:
-            if self.state.epoch_done:
-                self._end_epoch(steps=0, seconds=0.0)
-            else:
-                self._train(plan)
-        if self.reporters:
-            self.reporters.wait()  # curves.png shows the last epoch
+        try:
+            while self.state.epoch < self.cfg.run.epochs:
+                if self.state.epoch_done:
+                    self._end_epoch(steps=0, seconds=0.0)
+                else:
+                    self._train(plan)
+        finally:
+            if self.reporters:
+                # curves.png shows the last epoch drawn, and its painter ends (an elastic reset
+                # makes new writers). After a stop the checkpoint is written already.
+                self.reporters.close()
 
     def configure(self) -> Plan:
         """Fits the state to the current workers: batch, learning rate, what is left of the epoch."""
@@ -229,9 +255,10 @@ class Loop:
             # another process than before an elastic reset).
             title = f"{self.spec.name}: {ctx.size} worker(s) x batch {plan.batch_size}"
             self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard, title)
-            self.reporters.truncate(state.epoch)
         else:
             self.reporters = None
+        last = self.history.metrics_of(state.epoch - 1)
+        ctx.on_root(lambda: self.reporters.truncate(state.epoch, last), name="reporters")
         return plan
 
     def _train(self, plan: Plan) -> None:
@@ -369,7 +396,8 @@ class Loop:
             "model": self.spec.name,
             "world_size": ctx.size,
             "global_batch": state.global_batch,
-            "metrics": self.history.epochs.get(state.epoch - 1, {}),
+            "metrics": self.history.metrics_of(state.epoch - 1),
+            "data": self.job.data_identity(),
         }
 
         def write() -> str:
@@ -409,14 +437,15 @@ class Loop:
             result = self.evaluate(f"val.{epoch}")
             logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
         self.history.epochs[epoch] = logs
-        reporters = self.reporters
-        if reporters:
+        if self.reporters:
             if steps:
-                reporters.progress.end(steps, logs)
-            reporters.epoch_end(epoch, logs)
+                self.reporters.progress.end(steps, logs)
+            self.reporters.draw_soon(epoch, logs)
         state.next_epoch()
         net.reset_metrics()
-        self.save_checkpoint()
+        # The checkpoint first: a full disk must not cost the epoch because a CSV row did not fit.
+        path = self.save_checkpoint()
+        self.ctx.on_root(lambda: self.reporters.epoch_end(epoch, logs, path), name=f"report.{epoch}")
         if self.commit is not None:
             self._commit()
 

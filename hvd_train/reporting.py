@@ -8,6 +8,7 @@ adding one.
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import os
 import sys
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from hvd_train import files, plots
+from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
 log = get_logger("train")
@@ -56,14 +58,18 @@ class MetricsCSV:
         with open(self.path, newline="", encoding="utf-8") as f:
             return list(csv.DictReader(f))
 
-    def write(self, epoch: int, logs: dict) -> None:
-        """Writes the row of ``epoch`` (1-based) and drops rows of later epochs."""
+    def with_row(self, epoch: int, logs: dict) -> list[dict]:
+        """The rows of the file with the row of ``epoch`` (1-based), and without rows of later epochs."""
         rows = [r for r in self.rows() if r.get("epoch", "").isdigit() and int(r["epoch"]) < epoch]
-        row = {"epoch": epoch}
+        row = {"epoch": str(epoch)}
         for key in METRIC_COLUMNS[1:]:
             value = logs.get(key)
             row[key] = "" if value is None else f"{float(value):.6g}"
-        self.save([*rows, row])
+        return [*rows, row]
+
+    def write(self, epoch: int, logs: dict) -> None:
+        """Writes the row of ``epoch`` (1-based) and drops rows of later epochs."""
+        self.save(self.with_row(epoch, logs))
 
     def save(self, rows: list[dict]) -> None:
         """Replaces the file with ``rows`` (atomically)."""
@@ -137,26 +143,66 @@ class Reporters:
         self.curves = os.path.join(output, plots.CURVES)
         self.title = title
         # Drawn off the training thread: a stop request must not wait for matplotlib
-        # (plain mpirun kills 1 s after passing SIGTERM on). A daemon thread: a
-        # process that exits mid-draw leaves the previous picture in place.
+        # (plain mpirun kills 1 s after passing SIGTERM on): the checkpoint is written
+        # before the loop ends and ``close`` joins the painter. A daemon thread all
+        # the same: a process killed mid-draw leaves the previous picture in place.
         # The painter draws the latest rows handed over; epochs count what was
         # handed over and what is drawn, so ``wait`` cannot return early.
         self._painter = threading.Condition()
         self._latest: list[dict] | None = None
         self._handed = self._drawn = 0
-        threading.Thread(target=self._paint, name="curves", daemon=True).start()
-        self.tensorboard = TensorBoard(os.path.join(output, "tensorboard")) if tensorboard else None
+        self._closed = False
+        self._thread = threading.Thread(target=self._paint, name="curves", daemon=True)
+        self._thread.start()
+        self.tensorboard_folder = os.path.join(output, "tensorboard")
+        self.tensorboard = TensorBoard(self.tensorboard_folder) if tensorboard else None
         self.progress = Progress(epochs)
 
-    def epoch_end(self, epoch: int, logs: dict) -> None:
-        """Writes epoch ``epoch`` (0-based) everywhere."""
-        self.csv.write(epoch + 1, logs)
+    def draw_soon(self, epoch: int, logs: dict) -> None:
+        """Hands the curves up to epoch ``epoch`` (0-based) to the painter; never fails.
+
+        Called before the epoch's checkpoint: the picture is drawn while the
+        checkpoint is written, not while the next epoch's steps are timed.
+        """
+        try:
+            rows = self.csv.with_row(epoch + 1, logs)
+        except OSError as e:
+            log.warning("could not draw %s: cannot read %s (%s)", self.curves, self.csv.path, e.strerror or e)
+            return
         with self._painter:
-            self._latest = self.csv.rows()
+            self._latest = rows
             self._handed += 1
             self._painter.notify_all()
-        if self.tensorboard is not None:
-            self.tensorboard.write(epoch + 1, logs)
+
+    def epoch_end(self, epoch: int, logs: dict, checkpoint: str = "") -> None:
+        """Writes epoch ``epoch`` (0-based) to metrics.csv and TensorBoard (after its checkpoint).
+
+        Raises:
+            UserError: a file could not be written (a full disk, no
+                permission); ``checkpoint`` (already written) is named, so
+                the user knows the run can go on from it.
+        """
+        try:
+            self.csv.write(epoch + 1, logs)
+            if self.tensorboard is not None:
+                self.tensorboard.write(epoch + 1, logs)
+        except OSError as e:
+            raise self._write_error(self.csv.path, e.strerror or str(e), checkpoint) from None
+        except Exception as e:  # TensorFlow's summary writer raises its own errors
+            from hvd_train.compat import tf
+
+            if not isinstance(e, tf.errors.OpError):
+                raise
+            raise self._write_error(self.tensorboard_folder, str(e).strip().splitlines()[0], checkpoint) from None
+
+    @staticmethod
+    def _write_error(path: str, reason: str, checkpoint: str) -> UserError:
+        full = any(os.strerror(code) in reason for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
+        saved = f"checkpoint {checkpoint} is written: " if checkpoint else ""
+        return UserError(
+            f"cannot write {path} ({reason}); {'free some space' if full else 'check it'} or choose another "
+            f"--output. {saved}rerun the same command to continue."
+        )
 
     def _paint(self) -> None:
         # matplotlib's import and first figure cost ~1 s: paid now, while the first
@@ -164,7 +210,9 @@ class Reporters:
         draw(self.curves, lambda: plots.curves([], io.BytesIO()))
         while True:
             with self._painter:
-                self._painter.wait_for(lambda: self._latest is not None)
+                self._painter.wait_for(lambda: self._latest is not None or self._closed)
+                if self._latest is None:
+                    return  # closed, and nothing left to draw
                 rows, handed, self._latest = self._latest, self._handed, None  # only the latest epochs matter
             draw(self.curves, lambda rows=rows: plots.curves(rows, self.curves, self.title))
             with self._painter:
@@ -176,9 +224,34 @@ class Reporters:
         with self._painter:
             return self._painter.wait_for(lambda: self._drawn >= self._handed, timeout)
 
-    def truncate(self, epochs_done: int) -> None:
-        """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back)."""
-        before = self.csv.rows()
-        rows = [r for r in before if r.get("epoch", "").isdigit() and int(r["epoch"]) <= epochs_done]
-        if len(rows) != len(before) or not os.path.isfile(self.csv.path):
-            self.csv.save(rows)
+    def close(self, timeout: float = 30.0) -> None:
+        """Ends the painter thread once it has drawn what it was handed.
+
+        It is joined, not left behind: a daemon thread woken while the
+        interpreter shuts down can abort the process.
+        """
+        with self._painter:
+            self._closed = True
+            self._painter.notify_all()
+        self._thread.join(timeout)
+
+    def truncate(self, epochs_done: int, last: dict | None = None) -> None:
+        """Drops rows of epochs after ``epochs_done`` (a run that starts over or rolled back).
+
+        Args:
+            last: the logs of epoch ``epochs_done`` as its checkpoint recorded
+                them, written as its row when the row is missing (the process
+                died between the checkpoint and metrics.csv).
+
+        Raises:
+            UserError: metrics.csv cannot be read or written.
+        """
+        try:
+            before = self.csv.rows()
+            rows = [r for r in before if r.get("epoch", "").isdigit() and int(r["epoch"]) <= epochs_done]
+            if last and epochs_done and not any(int(r["epoch"]) == epochs_done for r in rows):
+                self.csv.write(epochs_done, last)
+            elif len(rows) != len(before) or not os.path.isfile(self.csv.path):
+                self.csv.save(rows)
+        except OSError as e:
+            raise self._write_error(self.csv.path, e.strerror or str(e), "") from None

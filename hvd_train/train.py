@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import hashlib
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -95,8 +94,6 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
             probe.close()
         except OSError as e:
             raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
-        if not cfg.run.resume:
-            shutil.rmtree(checkpoints.folder(out), ignore_errors=True)
         with open(os.path.join(out, "run_config.yaml"), "w", encoding="utf-8") as f:
             f.write(cfg.to_yaml())
 
@@ -227,30 +224,32 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     )
 
     def restore():
-        found = checkpoints.latest(cfg.run.output) if cfg.run.resume else None
+        out = cfg.run.output
+        if not cfg.run.resume:
+            removed = checkpoints.remove_all(out)
+            if removed:
+                log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
+            return None
+        found = checkpoints.latest(out, set_aside=True)
         if found is None:
             return None
+        changed = _check_same_data(job, found)
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-        return found.path, found.state.to_dict(), rows
+        return found.path, found.state.to_dict(), rows, changed, found.info.get("metrics") or {}
 
     restored = ctx.on_root(restore, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.
     distributed.broadcast_variables(net.variables, ctx)
     if restored is None:
         return fresh_state(job, plan), History()
-    path, values, rows = restored
+    path, values, rows, changed, metrics = restored
     state = TrainState.from_dict(values)
     # Each rank takes back its own BatchNorm statistics and metric sums, or
     # their mean when the workers are not the same ones.
     same_workers = rows.shape[0] == ctx.size == state.world_size
     net.write_local(rows[ctx.rank] if same_workers else rows.mean(axis=0))
-    if state.total != len(job.train):
-        log.warning(
-            "the checkpoint was written for %d training images and there are %d now: epoch %d starts over",
-            state.total,
-            len(job.train),
-            state.epoch + 1,
-        )
+    if changed:
+        # --allow-data-change: the positions of the interrupted epoch mean other files now.
         state.restart_epoch(len(job.train))
     log.info(
         "resuming from %s: %d epoch(s) done, %d of %d images of epoch %d consumed, step %d",
@@ -269,7 +268,50 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         )
     history = History()
     history.resumed_from = path
+    if metrics and state.epoch > 0:
+        history.resumed_metrics = (state.epoch - 1, metrics)
     return state, history
+
+
+def _check_same_data(job: Job, found: checkpoints.Found) -> bool:
+    """Compares the image lists with the ones ``found`` was made with (rank 0).
+
+    Returns:
+        Whether the training images changed (resumed with ``--allow-data-change``).
+
+    Raises:
+        UserError: the images differ and ``--allow-data-change`` is not given.
+    """
+    saved, now = found.info.get("data"), job.data_identity()
+    if not saved:
+        log.warning(
+            "checkpoint %s holds no digest of its image list (written by an older hvd_train): "
+            "the images cannot be checked against it",
+            found.path,
+        )
+        return found.state.total != now["train_images"]
+    differ = [
+        f"{what}: {saved[key + '_images']} images, digest {saved[key]} then; "
+        f"{now[key + '_images']} images, digest {now[key]} now"
+        for key, what in (("train", "training images"), ("val", "held-out images"))
+        if saved.get(key) != now[key]
+    ]
+    if not differ:
+        return False
+    if not job.cfg.run.allow_data_change:
+        raise UserError(
+            f"the images differ from those checkpoint {found.path} was made with ({'; '.join(differ)}): resuming "
+            f"would map the rest of the run onto other files (and could hold out images already trained on). "
+            f"Give the same images (--data, --val-data, --val-split, --seed), pass --allow-data-change to resume "
+            f"anyway (the interrupted epoch starts over), or --no-resume to start over."
+        )
+    log.warning(
+        "--allow-data-change: the images differ from those of checkpoint %s (%s)%s",
+        found.path,
+        "; ".join(differ),
+        "; the interrupted epoch starts over" if saved.get("train") != now["train"] else "",
+    )
+    return saved.get("train") != now["train"]
 
 
 # --- 4. fit ------------------------------------------------------------------------

@@ -21,14 +21,19 @@ def _colours(path):
 def test_curves_are_refreshed_after_every_epoch(tmp_path):
     reporters = Reporters(str(tmp_path), epochs=3, tensorboard=False, title="t")
     logs = {"loss": 2.0, "accuracy": 0.3, "val_loss": 2.2, "val_accuracy": 0.25, "lr": 0.1, "images_per_sec": 90.0}
-    reporters.epoch_end(0, logs)
-    assert reporters.wait()
-    first = (tmp_path / "curves.png").read_bytes()
-    reporters.epoch_end(1, {**logs, "loss": 1.0, "val_accuracy": 0.6})
-    assert reporters.wait()
+    for epoch, more in enumerate(({}, {"loss": 1.0, "val_accuracy": 0.6})):
+        # As the loop does it: drawn while the checkpoint is written, then the files.
+        reporters.draw_soon(epoch, {**logs, **more})
+        assert reporters.wait()
+        reporters.epoch_end(epoch, {**logs, **more})
+        if epoch == 0:
+            first = (tmp_path / "curves.png").read_bytes()
     second = (tmp_path / "curves.png").read_bytes()
     assert first != second and second.startswith(b"\x89PNG")
     assert not list(tmp_path.glob(".plot-*"))  # written through a temporary file, renamed
+    assert [r["epoch"] for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == ["1", "2"]
+    reporters.close()
+    assert not reporters._thread.is_alive(), "the painter ends with its writers"
 
 
 def test_curves_without_held_out_images(tmp_path):

@@ -1,0 +1,145 @@
+"""What a rerun finds and keeps: --no-resume, changed images, a disk that fills up at an epoch end.
+
+Single processes through the real CLI, on the demo's patterns.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import TINY, cli, kill_group, output_of, start
+
+RUN = [*TINY, "--val-split", "0.2", "--deterministic"]
+
+
+def copy_tree(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_no_resume_deletes_old_checkpoints_only_once_training_starts(demo_small, tmp_path):
+    out = tmp_path / "run"
+    first = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1"])
+    assert first.returncode == 0, output_of(first)
+    assert (out / "checkpoints" / "epoch-0001").is_dir()
+    # A mistyped --data with --no-resume: the run never starts, the checkpoints stay.
+    typo = cli(["train", "--data", tmp_path / "dmeo", "--output", out, *RUN, "--no-resume"])
+    assert typo.returncode == 2 and "does not exist" in typo.stderr, output_of(typo)
+    assert (out / "checkpoints" / "epoch-0001").is_dir()
+    # The same with the right folder: they go when training starts, and the log says so.
+    again = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1", "--no-resume"])
+    assert again.returncode == 0, output_of(again)
+    assert "--no-resume: removed 1 checkpoint(s) of an earlier run" in again.stderr
+    assert "resuming from" not in again.stderr
+
+
+def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_over(demo_small, tmp_path):
+    data = copy_tree(demo_small, tmp_path / "data")
+    out = tmp_path / "run"
+    first = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "1"])
+    assert first.returncode == 0, output_of(first)
+    # One image renamed: the count is the same, the list is not.
+    victim = sorted((data / "dots").glob("shape-*.png"))[0]
+    victim.rename(victim.with_name("zz-" + victim.name))
+    refused = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "2"])
+    assert refused.returncode == 2, output_of(refused)
+    [error] = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert "the images differ from those checkpoint" in error and "--allow-data-change" in error
+    assert "training images: 90 images" in error and "held-out images" in error
+    allowed = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "2", "--allow-data-change"])
+    assert allowed.returncode == 0, output_of(allowed)
+    assert "--allow-data-change: the images differ" in allowed.stderr
+    assert "resuming from" in allowed.stderr and (out / "checkpoints" / "epoch-0002").is_dir()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MB tmpfs: room for a run of TINY's MobileNetV2 (18 MB a checkpoint) and its next checkpoint."""
+    from conftest import unavailable
+
+    if os.geteuid() != 0:
+        unavailable("root", "mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode:
+        unavailable("root", f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def fill(folder):
+    """Writes zeros into folder/filler until the file system is full."""
+    with open(folder / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_disk_that_fills_up_during_an_epoch_is_one_clear_line_and_the_rerun_continues(demo_small, small_disk):
+    out = small_disk / "run"
+    command = ["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "2", "--keep-checkpoints", "1"]
+    from conftest import HVD_TRAIN
+
+    proc = start([*HVD_TRAIN, *command])
+    try:
+        deadline = time.time() + 300
+        while not (out / "checkpoints" / "epoch-0001").is_dir():
+            assert proc.poll() is None and time.time() < deadline, output_of(proc)
+            time.sleep(0.01)
+        fill(small_disk)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        kill_group(proc)
+    # The checkpoint comes first, then metrics.csv: whichever the full disk stops, one line says it.
+    assert proc.returncode == 2, f"{stdout[-2000:]}\n{stderr[-4000:]}"
+    assert "Traceback" not in stderr, stderr[-4000:]
+    [error] = [line for line in stderr.splitlines() if "ERROR error:" in line]
+    assert "No space left on device" in error and "free some space" in error, error
+    assert not list((out / "checkpoints").glob(".*")), "no half-written checkpoint is left"
+    os.remove(small_disk / "filler")
+    again = cli(command)
+    assert again.returncode == 0, output_of(again)
+    assert f"resuming from {out / 'checkpoints'}" in again.stderr
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2"], rows  # epoch 1's row too, from its checkpoint
+
+
+def test_an_unwritable_metrics_file_is_one_clear_line(demo_small, tmp_path):
+    out = tmp_path / "run"
+    (out / "metrics.csv").mkdir(parents=True)  # a folder where the file goes
+    proc = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, output_of(proc)
+    [error] = [line for line in proc.stderr.splitlines() if "ERROR error:" in line]
+    assert f"cannot write {out / 'metrics.csv'}" in error and "choose another --output" in error, error
+
+
+_THREADS_AFTER_TRAINING = """
+import argparse, json, sys, threading
+from hvd_train import config, distributed, train
+parser = argparse.ArgumentParser()
+config.add_arguments(parser)
+cfg = config.from_sources(parser.parse_args(sys.argv[1:]))
+ctx = distributed.init(cfg.horovod.threads_per_rank)
+for epochs in (1, 2):  # two runs in one process, as an elastic job makes a new loop at each reset
+    train.run(config.build({**cfg.to_dict(), "run": {**cfg.to_dict()["run"], "epochs": epochs}}), ctx)
+print(json.dumps([t.name for t in threading.enumerate()]))
+"""
+
+
+def test_no_painter_thread_outlives_its_run(demo_small, tmp_path):
+    args = ["--data", demo_small, "--output", tmp_path / "run", *RUN]
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_AFTER_TRAINING, *map(str, args)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    threads = json.loads(proc.stdout.splitlines()[-1])
+    assert "curves" not in threads, threads
