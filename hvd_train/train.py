@@ -32,9 +32,9 @@ from hvd_train.distributed import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
 from hvd_train.log import get_logger
-from hvd_train.loop import History, Job, Loop, fresh_state, median_rate
+from hvd_train.loop import History, Job, Loop, fresh_state, log_sample_event, median_rate
 from hvd_train.models import build_model, get_spec, resolve_bn
-from hvd_train.preemption import StopRequests
+from hvd_train.preemption import Preempted, StopRequests
 from hvd_train.reporting import draw
 from hvd_train.state import TrainState
 
@@ -64,6 +64,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
         Preempted: on every rank, after a signal, with a checkpoint written.
     """
     stop = StopRequests().install()
+    stopped = False
     try:
         if cfg.horovod.elastic:
             training = ElasticTraining(cfg, ctx, stop)
@@ -76,15 +77,25 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             state, history = start_state(job, ctx, net)
             fit(job, ctx, net, state, stop, history)
         return finish(job, ctx, net, state, history)
+    except Preempted:
+        # The handlers stay until the process ends: the same stop may reach this rank
+        # again on its way out (from its launcher), and must not kill it there.
+        stopped = True
+        raise
     finally:
-        stop.uninstall()
+        if not stopped:
+            stop.uninstall()
 
 
 # --- 1. data -------------------------------------------------------------------
 
 
 def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
-    """Rank 0 makes the output folder (or says why it cannot) and writes ``run_config.yaml``."""
+    """Rank 0 makes the output folder (or says why it cannot) and writes ``run_config.yaml``.
+
+    Checkpoints of an earlier run stay until training starts (``start_state``):
+    a mistyped ``--data`` with ``--no-resume`` must not cost them.
+    """
 
     def prepare() -> None:
         out = cfg.run.output

@@ -33,8 +33,14 @@ run_forwarding_stop() {
   if [[ "${DRY_RUN:-0}" == 1 ]]; then
     return 0
   fi
+  # Its own process group (job control on): a signal to this script's group
+  # (Ctrl-C, kill -- -PGID) reaches the child only as the SIGUSR1 below, not
+  # also as itself; mpirun would act on its own SIGTERM/SIGINT by killing
+  # the ranks 2 s later.
+  set -m
   "$@" &
   child=$!
+  set +m
   trap 'kill -USR1 "$child" 2>/dev/null || true' TERM INT USR1
   while :; do
     if wait "$child"; then status=0; else status=$?; fi

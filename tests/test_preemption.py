@@ -12,6 +12,7 @@
 """
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -49,12 +50,20 @@ def options(data, out, samples, *extra):
 
 
 def sample_lines(folder):
-    """Every step's record, by the process's launch rank: {rank: [record, ...]} in order."""
-    out = {}
-    for path in sorted(Path(folder).glob("rank-*.jsonl")):
-        rank = int(path.name.split("-")[1])
-        out.setdefault(rank, []).extend(json.loads(line) for line in path.read_text().splitlines())
-    return out
+    """Every step's record, by the process's launch rank: {rank: [record, ...]} in the order they ran.
+
+    A rank's files (one per process: a rerun is a new pid) are joined in the
+    order of their first record's time, not of their names: pids are not in
+    order as strings (``9999`` sorts after ``10001``), nor always as numbers.
+    """
+    runs = {}
+    for path in Path(folder).glob("rank-*.jsonl"):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        if lines:
+            runs.setdefault(int(path.name.split("-")[1]), []).append(lines)
+    return {
+        rank: [r for lines in sorted(files, key=lambda f: f[0]["time"]) for r in lines] for rank, files in runs.items()
+    }
 
 
 def pid_of(folder, rank):
@@ -91,13 +100,13 @@ def uninterrupted(demo_small, tmp_path_factory):
     return read_json(root / "run" / "summary.json")["weights_digest"], sample_lines(root / "samples")
 
 
-def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, rerun, launch_exit=None):
+def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, rerun, launch_exit=None, ranks=2):
     """The job stopped after one step on every rank with a checkpoint; the rerun ends bit-identical."""
     both = proc.stdout + proc.stderr
     if launch_exit is not None:
         assert proc.returncode == launch_exit, output_of(proc)
     lines = [line for line in both.splitlines() if "stopped by" in line]
-    assert len(lines) == 2, output_of(proc)  # one line per rank
+    assert len(lines) == ranks, output_of(proc)  # one line per rank
     match = re.search(r"after step (\d+) .* checkpoint (\S+); rerun the same command to continue", lines[0])
     assert match and all(match.group(0) in line for line in lines), output_of(proc)
     step, checkpoint = int(match.group(1)), match.group(2)
@@ -118,6 +127,32 @@ def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, reru
         assert len(before[rank]) < len(records)
         assert [r["ids"] for r in after[rank]] == [r["ids"] for r in records], f"rank {rank} saw other images"
     return step
+
+
+def wait_for_a_save(proc, out, timeout=120):
+    """Waits until rank 0 is writing a checkpoint (its temporary folder exists)."""
+    deadline = time.time() + timeout
+    while not list((out / "checkpoints").glob(".epoch-*.tmp-*")):
+        assert proc.poll() is None, f"the job ended before saving\n{finish(proc)}"
+        assert time.time() < deadline, f"no checkpoint being written after {timeout} s"
+        time.sleep(0.002)
+
+
+def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tmp_path, uninterrupted):
+    # As SLURM's scancel and time limit (and systemd) deliver it: to every process of the job. Each rank
+    # gets it directly, and again from horovodrun (whose workers sit in a session of their own), here
+    # while rank 0 writes the checkpoint of the stop.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = [*launcher_command("horovodrun-gloo", 2), *options(demo_small, out, samples)]
+    proc = start(command)
+    at = wait_for_steps(proc, samples, 8)
+    for rank in (0, 1):
+        os.kill(pid_of(samples, rank), signal.SIGTERM)
+    wait_for_a_save(proc, out)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc = finish(proc)
+    assert "SIGTERM too: the stop is under way" in proc.stdout + proc.stderr, output_of(proc)
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
 
 
 def test_sigterm_to_horovodrun_stops_with_a_checkpoint_and_the_rerun_is_bit_identical(
@@ -163,7 +198,61 @@ def test_sigterm_to_launch_mpirun_script_reaches_the_ranks_at_once(demo_small, t
     check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun, launch_exit=EXIT_PREEMPTED)
 
 
-def test_sigterm_to_plain_mpirun_stops_every_rank_with_a_checkpoint(demo_small, tmp_path):
+def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_path, uninterrupted):
+    # Ctrl-C in a terminal, kill -- -PGID: the script's whole group. mpirun runs in a group of its
+    # own, so only the script's SIGUSR1 reaches it (it would kill the ranks 2 s after a SIGTERM).
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    program = options(demo_small, out, samples)[3:]
+    command = ["bash", REPO / "launch/mpirun.sh", "--np", "2", "--mpirun-arg", "--oversubscribe", "--", *program]
+    env = {"HVD_TRAIN": str(BIN / "hvd-train")}
+    proc = start(command, **env)
+    at = wait_for_steps(proc, samples, 8)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc = finish(proc)
+    assert "stopped by SIGUSR1" in proc.stdout + proc.stderr, output_of(proc)
+    rerun = lambda: run(command, **env)  # noqa: E731
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun, launch_exit=EXIT_PREEMPTED)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_single(demo_small, tmp_path_factory):
+    root = tmp_path_factory.mktemp("straight-single")
+    proc = run(options(demo_small, root / "run", root / "samples"))
+    assert proc.returncode == 0, output_of(proc)
+    return read_json(root / "run" / "summary.json")["weights_digest"], sample_lines(root / "samples")
+
+
+def test_one_process_stops_once_on_a_repeated_sigterm_and_the_rerun_is_bit_identical(
+    demo_small, tmp_path, uninterrupted_single
+):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    command = options(demo_small, out, samples)
+    proc = start(command)
+    at = wait_for_steps(proc, samples, 8)
+    os.killpg(proc.pid, signal.SIGTERM)
+    wait_for_a_save(proc, out)
+    os.killpg(proc.pid, signal.SIGTERM)  # the same stop, delivered again while its checkpoint is written
+    proc = finish(proc)
+    assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
+    assert "SIGTERM too: the stop is under way" in proc.stderr, output_of(proc)
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted_single, lambda: run(command), ranks=1)
+
+
+def test_a_third_stop_signal_ends_the_process_at_once(demo_small, tmp_path):
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    proc = start(options(demo_small, out, samples, "--epochs", "30"))
+    wait_for_steps(proc, samples, 3)
+    # Three kinds: signals of one kind that arrive before Python runs their handler count once.
+    sent = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    for sig in sent:
+        os.killpg(proc.pid, sig)
+        time.sleep(0.01)
+    proc = finish(proc, timeout=60)
+    assert -proc.returncode in sent, output_of(proc)  # ended by the signal itself, not after a stop
+    assert "stopped by" not in proc.stderr, output_of(proc)
+
+
+def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_small, tmp_path):
     # Plain mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds
     # and SIGKILLs as long after. Its default, 1 s, makes the test a timing
     # bound on a loaded test machine (the time a save takes is measured by
@@ -173,7 +262,7 @@ def test_sigterm_to_plain_mpirun_stops_every_rank_with_a_checkpoint(demo_small, 
     command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples, "--epochs", "12")]
     proc = start(command, OMPI_MCA_odls_base_sigkill_timeout="5")
     wait_for_steps(proc, samples, 8)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "stopped by SIGTERM" in line]
