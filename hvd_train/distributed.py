@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,7 +78,8 @@ class Context:
         if self.size == 1:
             return np.asarray(array)
         import horovod.tensorflow as hvd
-        import tensorflow as tf
+
+        from hvd_train.compat import tf
 
         return hvd.allreduce(tf.constant(array), op=hvd.Sum, name=name).numpy()
 
@@ -283,15 +285,29 @@ def average_variables(variables, ctx: Context, name: str) -> None:
         variable.assign(value)
 
 
+# What TensorFlow says when a Horovod collective fails: the op's name in the
+# message (eager: "__wrapped__HorovodAllreduce_..."; graphs: "{{node HorovodAllreduce_...}}").
+_COLLECTIVE_OP = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Broadcast|Alltoall|Reducescatter)")
+
+# Collectives that may fail in a row, with no commit between them, before an
+# elastic job stops treating the failure as a lost worker.
+MAX_FAILURES_WITHOUT_PROGRESS = 5
+
+
 def is_horovod_failure(e: BaseException) -> bool:
-    """Whether ``e`` is a collective that failed because a worker was lost (or Horovod shut down)."""
+    """Whether ``e`` is a failed Horovod collective (a worker was lost, or Horovod shut down).
+
+    As ``horovod.tensorflow.elastic`` decides it: an ``UnknownError`` raised by
+    one of Horovod's collective ops (grouped allreduces included), not any
+    error whose message happens to mention Horovod.
+    """
     from horovod.common.exceptions import HorovodInternalError
 
     if isinstance(e, HorovodInternalError):
         return True
-    import tensorflow as tf
+    from hvd_train.compat import tf
 
-    return isinstance(e, tf.errors.UnknownError) and "Horovod" in (e.message or "")
+    return isinstance(e, tf.errors.UnknownError) and bool(_COLLECTIVE_OP.search(e.message or ""))
 
 
 class ElasticSession:
@@ -333,13 +349,17 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
     same state, and the body runs again. New workers announced by the driver
     surface at the next commit and join the same way, without a rollback.
 
-    Unlike ``horovod.tensorflow.elastic.run``, any failed Horovod collective
-    counts as a lost worker (grouped allreduces and failures during ``sync``
-    included), and any other error ends the job rather than being dropped.
+    Unlike ``horovod.tensorflow.elastic.run``, grouped allreduces count too,
+    failures during ``sync`` included, and any other error ends the job
+    rather than being dropped. A collective that fails again and again with
+    no commit in between (``MAX_FAILURES_WITHOUT_PROGRESS`` times) is no
+    lost worker but a fault of the job: it ends the job with its message.
     """
     import horovod.tensorflow as hvd
     from horovod.common.elastic import State, run_fn
     from horovod.common.exceptions import HorovodInternalError
+
+    failures = 0
 
     def guarded(fn):
         def call(*args):
@@ -352,16 +372,36 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
 
         return call
 
+    def restore_or_give_up():
+        nonlocal failures
+        failures += 1
+        if failures >= MAX_FAILURES_WITHOUT_PROGRESS:
+            cause = sys.exc_info()[1]
+            reason = str(getattr(cause, "args", [cause])[0] or cause).strip().splitlines()
+            raise UserError(
+                f"elastic: {failures} collectives failed in a row with no commit between them, so this is no lost "
+                f"worker but a fault of the job; the last failure: {reason[0][:300] if reason else cause!r}"
+            )
+        session.restore()
+
+    def committed(fn):
+        def call(*args):
+            nonlocal failures
+            fn(*args)
+            failures = 0
+
+        return call
+
     class _State(State):
         def __init__(self):
             super().__init__(bcast_object=lambda obj: hvd.broadcast_object(obj, root_rank=0), get_rank=hvd.rank)
 
         save = staticmethod(guarded(session.save))
-        restore = staticmethod(session.restore)
+        restore = staticmethod(restore_or_give_up)
         sync = staticmethod(guarded(session.sync))
 
         def commit(self):
-            guarded(super().commit)()
+            committed(guarded(super().commit))()
 
     def reset():
         if on_lost is not None:

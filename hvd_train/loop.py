@@ -495,10 +495,7 @@ class Loop:
     def _log_samples(self, ids) -> None:
         """Appends the images of the step about to run (called inside the step, before its allreduce)."""
         if self._sample_log is None:
-            os.makedirs(self.cfg.run.sample_log, exist_ok=True)
-            # Named by the rank the launcher gave (it stays with the process) and the pid.
-            name = f"rank-{launcher_rank()[0]}-{os.getpid()}.jsonl"
-            self._sample_log = open(os.path.join(self.cfg.run.sample_log, name), "a", encoding="utf-8")
+            self._sample_log = open(sample_log_path(self.cfg.run.sample_log), "a", encoding="utf-8")
         state = self.state
         record = {
             "time": round(time.time(), 3),

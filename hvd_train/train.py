@@ -378,6 +378,7 @@ class ElasticTraining(distributed.ElasticSession):
             self.state.copy(),
             copy.deepcopy(self.history),
         )
+        log_sample_event(self.cfg.run.sample_log, "commit", self.state)
 
     def restore(self) -> None:
         self._lost_at = time.time()
@@ -387,6 +388,7 @@ class ElasticTraining(distributed.ElasticSession):
             return
         values, local, state, history = self._saved
         lost = self.state.step - state.step if self.state else 0
+        log_sample_event(self.cfg.run.sample_log, "rollback", state)
         for variable, value in zip(self.net.variables, values):
             variable.assign(value)
         self.net.write_local(local)

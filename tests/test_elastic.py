@@ -63,13 +63,44 @@ def launch(hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeou
 
 
 def records(samples):
-    """Every step of every process, with its launch rank and pid."""
+    """Every step of every process, with its launch rank and pid (commit and rollback lines left out)."""
     out = []
     for path in Path(samples).glob("rank-*.jsonl"):
         _, launch_rank, pid = path.stem.split("-")
         for line in path.read_text().splitlines():
-            out.append({**json.loads(line), "launch_rank": int(launch_rank), "pid": int(pid)})
+            record = json.loads(line)
+            if "event" not in record:
+                out.append({**record, "launch_rank": int(launch_rank), "pid": int(pid)})
     return out
+
+
+def committed(samples):
+    """The steps that were kept: each process's steps followed by a commit before any rollback.
+
+    Steps after a process's last commit (a lost worker's last ones) and steps a
+    rollback undid were trained on and then thrown away with their gradients.
+    """
+    kept = []
+    for path in Path(samples).glob("rank-*.jsonl"):
+        pending = []
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            event = record.get("event")
+            if event == "commit":
+                kept += pending
+                pending = []
+            elif event == "rollback":
+                pending = []
+            else:
+                pending.append(record)
+    return kept
+
+
+def write_hosts(hostfile, text):
+    """Replaces the hostfile at once: the discovery script never reads half of it."""
+    tmp = hostfile.with_name(hostfile.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, hostfile)
 
 
 def wait_until(proc, condition, what, timeout=300):
@@ -106,11 +137,12 @@ def rank_of(pid):
 
 
 def check_every_epoch_complete(out, samples, epochs):
-    """metrics.csv has every epoch; every image was trained on in every epoch; held-out images counted once."""
+    """metrics.csv has every epoch; every image was trained on in every epoch (in a step that was kept);
+    held-out images counted once."""
     summary = read_json(out / "summary.json")
     rows = (out / "metrics.csv").read_text().splitlines()[1:]
     assert [r.split(",")[0] for r in rows] == [str(e) for e in range(1, epochs + 1)]
-    steps = records(samples)
+    steps = committed(samples)
     for epoch in range(epochs):
         seen = {i for r in steps if r["epoch"] == epoch for i in r["ids"]}
         assert seen == set(range(TRAIN_IMAGES)), f"epoch {epoch + 1} skipped {TRAIN_IMAGES - len(seen)} image(s)"
@@ -120,7 +152,7 @@ def check_every_epoch_complete(out, samples, epochs):
 
 def test_a_lost_worker_is_rolled_back_and_the_survivors_go_on(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
-    hostfile.write_text("localhost:2\n127.0.0.1:1\n")
+    write_hosts(hostfile, "localhost:2\n127.0.0.1:1\n")
     proc = launch(
         hostfile, samples, out, 3, 2, 3, "--data", demo_small, "--elastic-batch", "keep-global-batch", epochs=5
     )
@@ -151,10 +183,10 @@ def test_a_lost_worker_is_rolled_back_and_the_survivors_go_on(demo_small, tmp_pa
 
 def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
-    hostfile.write_text("localhost:1\n")
+    write_hosts(hostfile, "localhost:1\n")
     proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, epochs=8)
     wait_until(proc, lambda: len(records(samples)) >= 15, "step 15")
-    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")
     proc = finish(proc)
     assert proc.returncode == 0, output_of(proc)
     summary = check_every_epoch_complete(out, samples, 8)
@@ -169,7 +201,7 @@ def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
 
 def test_losing_rank_0_moves_every_output_to_the_new_rank_0(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
-    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")
     proc = launch(hostfile, samples, out, 2, 1, 2, "--data", demo_small, epochs=5)
     wait_until(proc, lambda: any(r["epoch"] == 1 and r["step"] >= 3 for r in records(samples)), "epoch 2")
     [rank0] = [pid for pid in pids(samples) if rank_of(pid) == 0]
@@ -188,7 +220,7 @@ def test_losing_rank_0_moves_every_output_to_the_new_rank_0(demo_small, tmp_path
 
 def test_fewer_workers_than_min_np_fails_clearly_within_the_elastic_timeout(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
-    hostfile.write_text("localhost:1\n127.0.0.1:1\n")
+    write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")
     proc = launch(hostfile, samples, out, 2, 2, 2, "--data", demo_small, epochs=30, timeout=10)
     wait_until(proc, lambda: len(records(samples)) >= 8, "step 8")
     subprocess.run(["kill", "-KILL", str(pids(samples)[0])], check=True)

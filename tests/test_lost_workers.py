@@ -1,0 +1,80 @@
+"""What counts as a lost worker in an elastic job, and how often it may count in a row."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvd_train import distributed
+
+# What TensorFlow raised in this suite's elastic jobs when a peer was killed (eager, Gloo).
+LOST = (
+    "{{function_node __wrapped__HorovodAllreduce_grads_0_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+    "Gloo error: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4461 "
+    "[Op:HorovodAllreduce]"
+)
+SHUT_DOWN = (
+    "{{function_node __wrapped__HorovodGroupedAllreduce_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
+    "Horovod has been shut down. This was caused by an exception on one of the ranks [Op:HorovodGroupedAllreduce]"
+)
+
+
+@pytest.mark.parametrize(
+    "kind, message, lost",
+    [
+        ("UnknownError", LOST, True),
+        ("UnknownError", SHUT_DOWN, True),
+        # An error that mentions Horovod but no collective op: a fault of its own, never retried.
+        ("UnknownError", "py_function failed: cannot write /runs/x (Horovod timeline)", False),
+        ("InvalidArgumentError", LOST, False),
+        ("ValueError", LOST, False),
+    ],
+)
+def test_only_a_failed_horovod_collective_counts_as_a_lost_worker(kind, message, lost):
+    import tensorflow as tf
+
+    error = ValueError(message) if kind == "ValueError" else getattr(tf.errors, kind)(None, None, message)
+    assert distributed.is_horovod_failure(error) is lost
+
+
+_ALWAYS_FAILS = f"""
+import json
+from hvd_train import compat
+import tensorflow as tf
+import horovod.tensorflow as hvd
+from hvd_train import distributed
+from hvd_train.errors import UserError
+
+hvd.init()
+attempts = []
+
+class Session(distributed.ElasticSession):
+    def save(self): pass
+    def restore(self): pass
+    def sync(self): pass
+    def reset(self): pass
+    def body(self):
+        attempts.append(1)
+        if len(attempts) <= 2:
+            self.commit()  # progress: the count of failures in a row starts again
+        raise tf.errors.UnknownError(None, None, {LOST!r})
+
+try:
+    distributed.run_elastic(Session(), distributed.Context())
+except UserError as e:
+    print(json.dumps({{"attempts": len(attempts), "error": str(e)}}))
+"""
+
+
+def test_a_collective_that_fails_again_and_again_ends_the_job():
+    # Gloo, as in elastic jobs: Horovod shuts down and starts again at every reset (MPI cannot).
+    env = {**os.environ, "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
+    proc = subprocess.run([sys.executable, "-c", _ALWAYS_FAILS], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    # Two attempts committed before failing; then MAX failures in a row with no commit.
+    assert result["attempts"] == 2 + distributed.MAX_FAILURES_WITHOUT_PROGRESS - 1
+    assert f"{distributed.MAX_FAILURES_WITHOUT_PROGRESS} collectives failed in a row" in result["error"]
+    assert "Connection closed by peer" in result["error"]
