@@ -20,7 +20,6 @@ and the efficiency against a single-worker figure (``--baseline``).
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -126,7 +125,9 @@ def _result(cfg: BenchConfig, ctx: Context, gathered: list[dict]) -> dict:
     result = {
         "config": asdict(cfg),
         "world_size": ctx.size,
-        "hosts": len({h for h in ctx.allgather_object(socket.gethostname(), name="bench_hosts")}),
+        # Horovod's own grouping: one local rank 0 per host (host names may be
+        # rewritten by the loopback fix, or equal across containers).
+        "hosts": sum(ctx.allgather_object(ctx.local_rank == 0, name="bench_hosts")),
         "results": variants,
         **distributed.versions(),
     }

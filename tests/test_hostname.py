@@ -45,6 +45,64 @@ def test_single_host_gloo_job_uses_loopback_and_says_so_once(demo_small, tmp_pat
     assert summary["world_size"] == 2 and summary["val_images"] == 25
 
 
+PROBE = Path(__file__).parent / "launched" / "hostname_probe.py"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("venv", ["its own path", "a path with a space and a colon"])
+def test_the_loopback_fix_is_the_ranks_alone_and_keeps_the_interpreter_and_its_flags(tmp_path, venv):
+    python = Path(sys.executable)
+    if venv != "its own path":
+        # The same environment under a path that LD_PRELOAD cannot carry (it splits at spaces and colons).
+        link = tmp_path / "my envs: one"
+        link.symlink_to(Path(sys.prefix), target_is_directory=True)
+        python = link / "bin" / python.name
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    command = [*launcher_command("horovodrun-gloo", 2), python, "-X", "dev", PROBE, seen]
+    proc = run(nowhere(*command), timeout=300, PATH=f"{BIN}:{os.environ['PATH']}")
+    assert proc.returncode == 0, output_of(proc)
+    name = f"nowhere-{os.getpid()}"
+    for rank in (0, 1):
+        rank_saw = read_json(seen / f"rank-{rank}.json")
+        assert rank_saw["notice"] and "single-host job, so Horovod uses loopback" in rank_saw["notice"], rank_saw
+        assert rank_saw["gethostname"] == "localhost", rank_saw  # Gloo binds to loopback
+        assert rank_saw["real_name"] == rank_saw["loopback_for"] == name, rank_saw
+        assert rank_saw["dev_mode"] is True, "the re-executed rank lost its interpreter's flags"
+        assert rank_saw["prefix"] == str(python.parent.parent), rank_saw
+        # The rank's children see the real host: no preload, no marker.
+        assert rank_saw["env_flag"] is None and "gethostname" not in rank_saw["env_preload"], rank_saw
+        assert rank_saw["child_gethostname"] == name and "gethostname" not in rank_saw["child_preload"], rank_saw
+
+
+@pytest.mark.parametrize(
+    "env, spans",
+    [
+        # horovodrun, 3 slots on host a and 1 on host b: every rank, whatever its slot, says several hosts.
+        ({"HOROVOD_LOCAL_SIZE": "3", "HOROVOD_SIZE": "4", "HOROVOD_CROSS_SIZE": "1"}, True),
+        ({"HOROVOD_LOCAL_SIZE": "1", "HOROVOD_SIZE": "4", "HOROVOD_CROSS_SIZE": "2"}, True),
+        ({"HOROVOD_LOCAL_SIZE": "4", "HOROVOD_SIZE": "4", "HOROVOD_CROSS_SIZE": "1"}, False),
+        # Open MPI's mpirun (HOROVOD_CONTROLLER=gloo under mpirun: no HOROVOD_* sizes at all).
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "4"}, True),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_SIZE": "4"}, False),
+        # MPICH / Intel MPI (Hydra), SLURM's srun.
+        ({"MPI_LOCALNRANKS": "1", "PMI_SIZE": "2"}, True),
+        ({"SLURM_STEP_NUM_NODES": "2", "SLURM_NTASKS": "2"}, True),
+        ({"SLURM_STEP_NUM_NODES": "1"}, False),
+        ({}, None),  # no launcher says: unknown
+    ],
+)
+def test_several_hosts_are_read_from_what_every_launcher_gives_every_rank(env, spans):
+    assert hostname.spans_hosts(env) is spans
+
+
+def test_an_unknown_gloo_launch_is_not_taken_for_a_single_host():
+    # Gloo under a launcher that tells nothing: no preload is guessed (it would bind every host to loopback).
+    assert hostname._gloo_job({"HOROVOD_CONTROLLER": "gloo"}) == (True, True)
+    assert hostname._gloo_job({"HOROVOD_CONTROLLER": "gloo", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                               "OMPI_COMM_WORLD_SIZE": "2"}) == (True, False)  # fmt: skip
+
+
 def multi_host_env(**extra) -> dict:
     """What horovodrun gives rank 0 of a job across two hosts (the job never gets further)."""
     return {

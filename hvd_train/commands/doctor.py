@@ -37,9 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--require {unknown[0]!r} is unknown; use any of {', '.join(REQUIREMENTS)}.")
     problems: list[str] = []
 
-    import tensorflow as tf
-
-    from hvd_train.compat import keras
+    from hvd_train.compat import keras, tf
 
     print("versions")
     print(f"  tensorflow  {tf.__version__}")
@@ -93,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     from hvd_train import hostname
 
-    found = hostname.resolve(os.environ.get(hostname.SHIM_FLAG))
+    found = hostname.resolve()  # the real name, also in a rank that runs under the loopback fix
     print(f"  hostname    {found.name} -> {found.address or '(does not resolve)'}")
     if found.address is None or found.loopback:
         fix = f"an /etc/hosts entry '<cluster address> {found.name}' (with --network-interface), or mpirun"
