@@ -104,6 +104,25 @@ def test_endpoint_down_is_a_clear_error(s3):
         list_folder(f"s3://{s3[1]}/x/", "--data", s3=options)
 
 
+@pytest.mark.parametrize("port", ["server", "closed"])
+def test_a_password_in_the_endpoint_is_never_printed_or_written(s3, tmp_path, port):
+    server, bucket = s3
+    secret = "pa55-in-the-url-9b1e"
+    where = server.url.split("//", 1)[1] if port == "server" else f"127.0.0.1:{free_port()}"
+    out = tmp_path / "run"
+    proc = cli(
+        ["train", "--data", f"s3://{bucket}/nothing/", "--output", out, "--s3-endpoint", f"http://me:{secret}@{where}",
+         "--s3-max-attempts", "1", "--epochs", "1"],
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, output_of(proc)
+    [error] = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert "Traceback" not in proc.stderr and secret not in proc.stdout + proc.stderr, output_of(proc)
+    assert f"http://{where}" in (out / "run_config.yaml").read_text()
+    for path in out.rglob("*"):
+        assert not path.is_file() or secret.encode() not in path.read_bytes(), path
+
+
 def test_wrong_credentials_are_a_clear_error(tmp_path, monkeypatch):
     import boto3
 

@@ -282,6 +282,8 @@ def s3_message(e: Exception, action: str, bucket: str, key: str, endpoint: str, 
 
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
+    # botocore quotes the request URL in some errors, user:password@ of the endpoint included.
+    text = re.sub(r"(\w+://)[^/@\s\"']+@", r"\1", text)
     return text.splitlines()[0] if text else type(e).__name__
 
 
