@@ -38,24 +38,38 @@ def _rows(path):
 
 def test_lr_find_writes_its_sweep_and_suggests_a_rate(demo_small, tmp_path):
     out = tmp_path / "find"
-    proc = cli(["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", *SWEEP])
-    found = json.loads((out / "lr_find.json").read_text()) if (out / "lr_find.json").exists() else None
-    assert found is not None, output_of(proc)
+    # --deterministic: the same sweep every time, one that finds a rate.
+    proc = cli(
+        ["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--deterministic", *SWEEP]
+    )
+    assert proc.returncode == 0, output_of(proc)
+    found = json.loads((out / "lr_find.json").read_text())
     rows = _rows(out / "lr_find.csv")
     lrs = np.array([float(r["lr"]) for r in rows])
     assert 10 <= len(rows) <= 60 and lrs[0] == pytest.approx(1e-5)
     ratios = lrs[1:] / lrs[:-1]
     assert np.allclose(ratios, (10 / 1e-5) ** (1 / 59), rtol=1e-4)  # exponential
     assert (out / "lr_find.png").read_bytes().startswith(b"\x89PNG")
-    if proc.returncode == 0:  # a tenth of one of the swept rates, below the last one
-        losses = [float(r["loss"]) for r in rows]
-        finite = [i for i, loss in enumerate(losses) if np.isfinite(loss)]
-        expected = suggest([lrs[i] for i in finite], [losses[i] for i in finite])
-        assert found["suggested_base_lr"] == pytest.approx(expected, rel=1e-4)
-        assert np.isclose(lrs, expected * 10, rtol=1e-4).any() and expected * 10 < lrs[-1]
-        assert f"suggested --base-lr {found['suggested_base_lr']:.3g}" in proc.stdout
-    else:  # the one-line error of a sweep without a suggestion
-        assert found["suggested_base_lr"] is None and "no rate found" in proc.stderr, output_of(proc)
+    # A tenth of one of the swept rates, below the last one.
+    losses = [float(r["loss"]) for r in rows]
+    finite = [i for i, loss in enumerate(losses) if np.isfinite(loss)]
+    expected = suggest([lrs[i] for i in finite], [losses[i] for i in finite])
+    assert expected is not None and found["suggested_base_lr"] == pytest.approx(expected, rel=1e-4)
+    assert np.isclose(lrs, expected * 10, rtol=1e-4).any() and expected * 10 < lrs[-1]
+    assert f"suggested --base-lr {found['suggested_base_lr']:.3g}" in proc.stdout
+
+
+def test_lr_find_without_a_rate_says_so_in_one_line(demo_small, tmp_path):
+    # Rates far too small to move the loss: it neither falls nor rises.
+    out = tmp_path / "find"
+    sweep = ["--steps", "20", "--start-lr", "1e-12", "--end-lr", "1e-11"]
+    proc = cli(
+        ["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--deterministic", *sweep]
+    )
+    assert proc.returncode == 2, output_of(proc)
+    assert json.loads((out / "lr_find.json").read_text())["suggested_base_lr"] is None
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "no rate found" in errors[0] and "Traceback" not in proc.stderr, output_of(proc)
 
 
 def test_bad_sweep_arguments(demo_small, tmp_path):
