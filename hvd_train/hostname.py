@@ -21,10 +21,11 @@ where it resolves to loopback, the other hosts cannot reach this one.
 Whether a job spans several hosts is read from what its launcher tells
 every rank: horovodrun (``HOROVOD_LOCAL_SIZE``/``HOROVOD_SIZE``, its
 rendezvous address), Open MPI (``OMPI_COMM_WORLD_LOCAL_SIZE``/``_SIZE``),
-MPICH and Intel MPI (``MPI_LOCALNRANKS``/``PMI_SIZE``) and SLURM
-(``SLURM_STEP_NUM_NODES``). Each rank of a job reaches the same answer,
-whatever its slot count. A Gloo job whose launcher says none of this
-counts as multi-host: no preload is guessed.
+MPICH and Intel MPI (``MPI_LOCALNRANKS``/``PMI_SIZE``) and SLURM's srun
+(``SLURM_STEP_NUM_NODES``, the nodes of the step, not of the allocation).
+Each rank of a job reaches the same answer, whatever its slot count. A Gloo
+job whose launcher says none of this counts as multi-host: no preload is
+guessed.
 
 The MPI controller (plain ``mpirun``, ``horovodrun --mpi``) does not build
 Gloo devices, so none of this applies there.
@@ -109,15 +110,11 @@ def spans_hosts(env=None) -> bool | None:
     rank's local rank, so a rank in a slot that only one host has reads 1.
     """
     env = os.environ if env is None else env
-    nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")
     sizes = _sizes(env)
-    if nodes and nodes.isdigit() and int(nodes) > 1:
-        return True
-    if sizes:
+    if sizes:  # the launcher that started this rank
         return any(local != world for local, world in sizes)
-    if nodes and nodes.isdigit():
-        return False
-    return None
+    nodes = env.get("SLURM_STEP_NUM_NODES", "")  # srun: the nodes of this step (not of the allocation)
+    return int(nodes) > 1 if nodes.isdigit() else None
 
 
 def _gloo_job(env=None) -> tuple[bool, bool]:
