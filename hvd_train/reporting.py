@@ -198,10 +198,10 @@ class Reporters:
     @staticmethod
     def _write_error(path: str, reason: str, checkpoint: str) -> UserError:
         full = any(os.strerror(code) in reason for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
-        saved = f"checkpoint {checkpoint} is written: " if checkpoint else ""
+        then = f"Checkpoint {checkpoint} is written: rerun" if checkpoint else "Then rerun"
         return UserError(
             f"cannot write {path} ({reason}); {'free some space' if full else 'check it'} or choose another "
-            f"--output. {saved}rerun the same command to continue."
+            f"--output. {then} the same command to continue."
         )
 
     def _paint(self) -> None:
