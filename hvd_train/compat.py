@@ -49,21 +49,21 @@ def _import_tensorflow_quietly() -> None:
     if os.environ["TF_CPP_MIN_LOG_LEVEL"] != "3" or "tensorflow" in sys.modules:
         return
     grep = shutil.which("grep")
-    if grep is None:
-        import tensorflow  # noqa: F401
-
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        sieve = subprocess.Popen(
-            [grep, "--line-buffered", "-v", "-E", "|".join(IMPORT_NOISE)],
-            stdin=subprocess.PIPE,
-            stdout=saved,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        os.close(saved)
+    sieve = saved = None
+    if grep is not None:
+        sys.stderr.flush()
+        try:
+            saved = os.dup(2)
+            sieve = subprocess.Popen(
+                [grep, "--line-buffered", "-v", "-E", "|".join(IMPORT_NOISE)],
+                stdin=subprocess.PIPE,
+                stdout=saved,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError:  # no stderr to begin with, or no process to spare: import as it comes
+            if saved is not None:
+                os.close(saved)
+    if sieve is None:
         import tensorflow  # noqa: F401
 
         return
