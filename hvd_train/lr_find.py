@@ -119,6 +119,8 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     cfg = job.cfg
     if not (0 < start < end) or steps < 10:
         raise UserError(f"the sweep needs 0 < start < end and at least 10 steps; got {start:g}..{end:g}, {steps}.")
+    if cfg.run.deterministic:  # the same initial weights, batches and augmentation every time
+        keras.utils.set_random_seed(cfg.run.seed)
     model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
     if cfg.optim.optimizer == "sgd":
         optimizer = keras.optimizers.SGD(learning_rate=start, momentum=cfg.optim.momentum)

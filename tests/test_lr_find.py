@@ -60,16 +60,24 @@ def test_lr_find_writes_its_sweep_and_suggests_a_rate(demo_small, tmp_path):
 
 
 def test_lr_find_without_a_rate_says_so_in_one_line(demo_small, tmp_path):
-    # Rates far too small to move the loss: it neither falls nor rises.
+    # Rates far too small to move the weights, and every step the same 90 images unaugmented:
+    # the loss neither falls nor rises, on any machine.
     out = tmp_path / "find"
     sweep = ["--steps", "20", "--start-lr", "1e-12", "--end-lr", "1e-11"]
-    proc = cli(
-        ["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--deterministic", *sweep]
-    )
+    same = ["--batch-size", "90", "--augment", "none"]
+    proc = cli(["lr-find", "--data", demo_small, "--output", out, *TINY, *same, "--val-split", "0.2", *sweep])
     assert proc.returncode == 2, output_of(proc)
     assert json.loads((out / "lr_find.json").read_text())["suggested_base_lr"] is None
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "no rate found" in errors[0] and "Traceback" not in proc.stderr, output_of(proc)
+
+
+def test_lr_find_with_deterministic_sweeps_the_same_losses_twice(demo_small, tmp_path):
+    sweep = ["--steps", "10", "--start-lr", "1e-4", "--end-lr", "1e-2", "--deterministic"]
+    for out in ("a", "b"):
+        proc = cli(["lr-find", "--data", demo_small, "--output", tmp_path / out, *TINY, "--val-split", "0.2", *sweep])
+        assert proc.returncode in (0, 2), output_of(proc)
+    assert (tmp_path / "a" / "lr_find.csv").read_text() == (tmp_path / "b" / "lr_find.csv").read_text()
 
 
 def test_bad_sweep_arguments(demo_small, tmp_path):

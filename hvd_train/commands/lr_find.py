@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.models import get_spec
 
     get_spec(cfg.model.name)
-    ctx = distributed.init(cfg.horovod.threads_per_rank)
+    ctx = distributed.init(cfg.horovod.threads_per_rank, cfg.run.deterministic)
     train.prepare_output(cfg, ctx)
     job = train.load_data(cfg, ctx)
 
