@@ -81,7 +81,7 @@ class Classifier(keras.Model):
         self.optimizer.apply_gradients(grads_and_vars)
         return self.compute_metrics(images, labels, probs, None)
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def _compiled_gradients(self, images, labels):
         """This rank's gradients (scaled by the loss scale under mixed_float16) and predictions."""
         with tf.GradientTape() as tape:
@@ -136,7 +136,11 @@ class Net:
         ]
         # Called with each batch's image ids before they reach the allreduce (--sample-log).
         self.audit = None
-        self._step = tf.function(self._train_step)
+        # No AutoGraph: the step has no control flow on tensors (its ``if``s and
+        # loops are on Python values), and converting Keras's and Horovod's code
+        # on the way in took most of the first step (about 15 s for MobileNetV2
+        # on a CPU) on every rank, at every start and every elastic reset.
+        self._step = tf.function(self._train_step, autograph=False)
 
     @property
     def variables(self) -> list[tf.Variable]:

@@ -130,7 +130,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     mult = cfg.optim.head_lr_mult
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
-    @tf.function
+    @tf.function(autograph=False)  # as the training step (see classifier.Net)
     def step(images, labels):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(images, training=True))
