@@ -146,6 +146,8 @@ TINY = [
     "--no-tensorboard",
     "--threads-per-rank",
     "1",
+    "--epochs",  # a test that needs more says so
+    "1",
 ]
 
 

@@ -34,13 +34,13 @@ def identical(dump):
 @pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, demo_small, tmp_path):
     out = tmp_path / "run"
-    proc = train(demo_small, out, tmp_path / "dump", "--precision", precision)
+    proc = train(demo_small, out, tmp_path / "dump", "--precision", precision, epochs=1)
     assert proc.returncode == 0, output_of(proc)
     assert identical(tmp_path / "dump"), "ranks ended with different weights"
     summary = read_json(out / "summary.json")
     assert summary["precision"] == precision and summary["val_images"] == 25
     # Resume from the checkpoint (loss scale and all) and go one epoch further.
-    proc = train(demo_small, out, tmp_path / "dump2", "--precision", precision, epochs=3)
+    proc = train(demo_small, out, tmp_path / "dump2", "--precision", precision, epochs=2)
     assert proc.returncode == 0 and "resuming from" in proc.stderr, output_of(proc)
     assert identical(tmp_path / "dump2")
     # The saved model computes in float32, and evaluate / predict use it.
@@ -49,6 +49,8 @@ def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, dem
     model = keras.models.load_model(out / "model.keras", compile=False)
     assert {layer.dtype_policy.name for layer in model.layers} == {"float32"}
     assert model.predict(np.zeros((1, 32, 32, 3), "float32"), verbose=0).dtype == np.float32
+    if precision != "mixed_float16":
+        return  # a float32 model like the other: evaluated and used once is enough
     proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--report", tmp_path / "eval.json"])
     assert proc.returncode == 0 and read_json(tmp_path / "eval.json")["images"] == 115, output_of(proc)
     proc = cli(["predict", "--model-dir", out, demo_small / "dots", "--output", tmp_path / "pred.csv"])
