@@ -74,14 +74,17 @@ def small_disk(tmp_path):
 
 
 def fill(folder):
-    """Writes zeros into folder/filler until the file system is full."""
-    with open(folder / "filler", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 16))
-                f.flush()
-        except OSError:
-            pass
+    """Writes zeros into folder/filler until the file system is full (to the last byte).
+
+    Unbuffered: a buffered file that hit the full disk would raise again when closed.
+    """
+    with open(folder / "filler", "wb", buffering=0) as f:
+        for size in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
 
 
 def test_a_disk_that_fills_up_during_an_epoch_is_one_clear_line_and_the_rerun_continues(demo_small, small_disk):
@@ -102,8 +105,9 @@ def test_a_disk_that_fills_up_during_an_epoch_is_one_clear_line_and_the_rerun_co
     # The checkpoint comes first, then metrics.csv: whichever the full disk stops, one line says it.
     assert proc.returncode == 2, f"{stdout[-2000:]}\n{stderr[-4000:]}"
     assert "Traceback" not in stderr, stderr[-4000:]
-    [error] = [line for line in stderr.splitlines() if "ERROR error:" in line]
-    assert "No space left on device" in error and "free some space" in error, error
+    errors = [line for line in stderr.splitlines() if "ERROR error:" in line]
+    assert len(errors) == 1, stderr[-4000:]
+    assert "No space left on device" in errors[0] and "free some space" in errors[0], stderr[-4000:]
     assert not list((out / "checkpoints").glob(".*")), "no half-written checkpoint is left"
     os.remove(small_disk / "filler")
     again = cli(command)
