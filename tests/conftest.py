@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,24 @@ def unavailable(capability: str, reason: str):
     if capability in REQUIRED:
         pytest.fail(f"{reason}; HVD_TRAIN_REQUIRE says this machine has {capability}", pytrace=False)
     pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def small_file_system(folder: Path, size: str):
+    """A tmpfs of ``size`` (``mount -o size=``) mounted at ``folder``/disk; root only (else unavailable)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        unavailable("root", "mounting a small tmpfs needs root")
+    mount = folder / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode:
+        unavailable("root", f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
 
 
 def job_env(**extra: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.state import TrainState
 
-from conftest import unavailable
+from conftest import small_file_system
 
 
 def small_model(units=3):
@@ -119,15 +119,8 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 600 KB file system (tmpfs), where a checkpoint of a big model cannot fit."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        unavailable("root", "mounting a small tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True)
-    if proc.returncode:
-        unavailable("root", f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with small_file_system(tmp_path, "600k") as mount:
+        yield mount
 
 
 def big_model():

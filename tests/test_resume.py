@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import TINY, cli, kill_group, output_of, start
+from conftest import TINY, cli, kill_group, output_of, small_file_system, start
 
 RUN = [*TINY, "--val-split", "0.2", "--deterministic"]
 
@@ -60,17 +60,8 @@ def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_ove
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 MB tmpfs: room for a run of TINY's MobileNetV2 (18 MB a checkpoint) and its next checkpoint."""
-    from conftest import unavailable
-
-    if os.geteuid() != 0:
-        unavailable("root", "mounting a tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
-    if made.returncode:
-        unavailable("root", f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    with small_file_system(tmp_path, "64m") as mount:
+        yield mount
 
 
 def fill(folder):
