@@ -283,10 +283,15 @@ def allreduce_gradients(grads, fp16: bool = False) -> list:
 
 
 def allreduce_sum_op(tensor, name: str):
-    """The sum of ``tensor`` over all ranks, as an op for use inside a ``tf.function``."""
+    """The sum of ``tensor`` over all ranks, as an op for use inside a ``tf.function``.
+
+    The op is named ``HorovodAllreduce_<name>``: inside a graph, TensorFlow's
+    error names the node, not its type, and a failure must still read as a
+    failed collective (``is_horovod_failure``) for an elastic job to go on.
+    """
     import horovod.tensorflow as hvd
 
-    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+    return hvd.allreduce(tensor, op=hvd.Sum, name=f"HorovodAllreduce_{name}")
 
 
 def average_variables(variables, ctx: Context, name: str) -> None:

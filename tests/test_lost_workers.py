@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,18 @@ def test_a_collective_that_fails_again_and_again_ends_the_job():
     assert result["attempts"] == 2 + distributed.MAX_FAILURES_WITHOUT_PROGRESS - 1
     assert f"{distributed.MAX_FAILURES_WITHOUT_PROGRESS} collectives failed in a row" in result["error"]
     assert "Connection closed by peer" in result["error"]
+
+
+@pytest.mark.multiprocess
+def test_a_peer_lost_during_the_steps_own_allreduce_counts_as_a_lost_worker():
+    # The step's stop agreement is an allreduce with a name of its own: TensorFlow's error names that
+    # node, not Horovod's op type, and it must still be taken for a lost worker (else an elastic
+    # job ends where it should go on).
+    from conftest import launch, output_of
+
+    proc = launch("horovodrun-gloo", 2, [sys.executable, Path(__file__).parent / "launched" / "lost_peer_in_a_step.py"])
+    lines = [line.split(">:", 1)[-1] for line in proc.stdout.splitlines() if '"caught"' in line]
+    assert len(lines) == 1, output_of(proc)
+    caught = json.loads(lines[0])
+    assert caught["caught"] == "UnknownError" and "boundary_flags" in caught["message"], caught
+    assert caught["lost"] is True, caught
