@@ -27,9 +27,9 @@ OPTIONS = [
     "--weights",
     "none",
     "--image-size",
-    "48",
+    "32",
     "--batch-size",
-    "16",
+    "8",
     "--epochs",
     "2",
     "--deterministic",
@@ -48,7 +48,7 @@ OPTIONS = [
 
 @pytest.fixture(scope="module")
 def textures(tmp_path_factory) -> Path:
-    """``train/`` (80 per class) and ``val/`` (20 per class) of the demo's 5 texture classes.
+    """``train/`` (25 per class) and ``val/`` (10 per class) of the demo's 5 texture classes.
 
     The demo's layout (files at the top of a class and in ``part-N/`` folders) is one where a
     folder walk and a sort of whole S3 keys disagree from the first image on.
@@ -57,8 +57,8 @@ def textures(tmp_path_factory) -> Path:
     from hvd_train.demo import make_demo_data
 
     root = tmp_path_factory.mktemp("textures")
-    make_demo_data(str(root / "train"), per_class=80, size=48, seed=0)
-    make_demo_data(str(root / "val"), per_class=20, size=48, seed=1)
+    make_demo_data(str(root / "train"), per_class=25, size=40, seed=0)
+    make_demo_data(str(root / "val"), per_class=10, size=40, seed=1)
     return root
 
 
@@ -100,7 +100,7 @@ def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(textur
         out = tmp_path / kind.replace(" ", "-")
         procs[kind] = train(data, val, out, env, *(["--no-tensorboard"] if kind.startswith("local") else []))
         summary = summaries[kind] = read_json(out / "summary.json")
-        assert summary["val_images"] == 100, kind
+        assert summary["val_images"] == 50, kind
         assert summary["weights_identical_across_ranks"] is True, kind
     # Same images, same order, same split: the same weights, bit for bit.
     assert summaries["s3 folder"]["weights_digest"] == summaries["local folder"]["weights_digest"]
@@ -112,7 +112,7 @@ def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(textur
         assert len(summary["input_wait_seconds"]) == 2 and all(b > 0 for b in summary["input_bytes"])
         assert "input waited" in procs[kind].stderr
     folder = summaries["s3 folder"]
-    assert folder["input_objects"][0] == 2 * folder["steps_per_epoch"] * 16
+    assert folder["input_objects"][0] == 2 * folder["steps_per_epoch"] * 8
     # No credential anywhere: logs, printed commands, and every file written (TensorBoard's included).
     for kind in ("s3 folder", "s3 shards"):
         text = procs[kind].stdout + procs[kind].stderr
@@ -140,7 +140,7 @@ def test_a_run_resumes_from_s3_after_starting_on_local_disk_and_refuses_other_im
     assert other.returncode == 2, output_of(other)
     [error] = [line for line in other.stderr.splitlines() if "error:" in line]
     assert "the images differ from those checkpoint" in error and "--allow-data-change" in error
-    assert "training images: 320 images" in error and "80 images" in error
+    assert "training images: 100 images" in error and "40 images" in error
     assert (out / "checkpoints" / "epoch-0002").is_dir()
 
 
