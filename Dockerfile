@@ -37,11 +37,18 @@ FROM build-${VARIANT} AS build
 ENV HVD_TRAIN_VENV=/opt/hvd_train/venv HVD_TRAIN_EXTRAS="" HVD_TRAIN_EDITABLE=0 \
     HVD_TRAIN_CACHE=/root/.cache/hvd_train
 WORKDIR /src
-COPY setup.cfg pyproject.toml README.md Makefile ./
+# The dependencies first, in a layer that only a change to the stack
+# (setup.cfg, launch/install.sh) rebuilds. The pip and Horovod wheel caches
+# live in a BuildKit cache: rebuilds skip the compile, and no layer keeps
+# them. HVD_TRAIN_CA_BUNDLE: see the top.
+COPY setup.cfg pyproject.toml ./
+COPY launch/install.sh launch/
+RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
+    HVD_TRAIN_CA_BUNDLE=/run/secrets/ca HVD_TRAIN_DEPS_ONLY=1 bash launch/install.sh
+# Then hvd_train itself: the same script finds every earlier step done.
+COPY README.md Makefile ./
 COPY launch/ launch/
 COPY hvd_train/ hvd_train/
-# The pip and Horovod wheel caches live in a BuildKit cache: rebuilds skip the
-# compile, and no layer keeps them. HVD_TRAIN_CA_BUNDLE: see the top.
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
     HVD_TRAIN_CA_BUNDLE=/run/secrets/ca bash launch/install.sh
 

@@ -15,6 +15,8 @@
 #   HVD_TRAIN_GPU      1 builds Horovod with NCCL           (default: 0)
 #   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
 #   HVD_TRAIN_EDITABLE 0 installs hvd_train as a copy, not editable (default: 1)
+#   HVD_TRAIN_DEPS_ONLY 1 installs everything but hvd_train itself (setup.cfg
+#                      and launch/ suffice): the Docker image's cached layer
 #   PYTHON             interpreter for the venv             (default: python3)
 #   HVD_TRAIN_CA_BUNDLE  CA bundle to trust for downloads (apt over https,
 #                      pip), e.g. behind a TLS-inspecting proxy; used, never copied
@@ -136,7 +138,23 @@ fi
 # --- 6. hvd_train itself ----------------------------------------------------
 spec=$here
 [[ -n "$extras" ]] && spec="${here}[$extras]"
-if [[ "${HVD_TRAIN_EDITABLE:-1}" == 1 ]]; then
+if [[ "${HVD_TRAIN_DEPS_ONLY:-0}" == 1 ]]; then
+  # What setup.cfg asks for (install_requires and the extras), read as setuptools reads it.
+  mapfile -t requirements < <("$venv/bin/python" - "$here/setup.cfg" "$extras" <<'PY'
+import configparser, sys
+cfg = configparser.ConfigParser()
+cfg.read(sys.argv[1])
+wanted = cfg["options"]["install_requires"].split("\n")
+for extra in filter(None, sys.argv[2].split(",")):
+    wanted += cfg["options.extras_require"][extra].split("\n")
+print("\n".join(r.strip() for r in wanted if r.strip() and not r.strip().startswith("#")))
+PY
+  )
+  log "pip: installing what hvd_train${extras:+[$extras]} needs, not hvd_train itself (HVD_TRAIN_DEPS_ONLY=1)"
+  "${pip[@]}" install -q "${requirements[@]}"
+  log "done in $(( $(date +%s) - start ))s; hvd_train itself is still to install"
+  exit 0
+elif [[ "${HVD_TRAIN_EDITABLE:-1}" == 1 ]]; then
   log "pip: installing hvd_train${extras:+[$extras]} (editable)"
   "${pip[@]}" install -q -e "$spec"
 else
