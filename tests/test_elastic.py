@@ -167,10 +167,11 @@ def test_a_lost_worker_is_rolled_back_and_the_survivors_go_on(demo_small, tmp_pa
     assert summary["world_size"] == 2 and summary["weights_identical_across_ranks"] is True
     [reset] = summary["elastic_resets"]
     assert (reset["from"], reset["to"]) == (3, 2) and reset["lost_steps"] <= 2
-    # Noticed at once by the survivor that talked to the lost worker; a survivor that did not waits
-    # for Gloo's timeout (30 s by default) before the reset completes, and a loaded 2-core machine
-    # adds a restart's seconds to that (how long a reset takes: benchmarks/preemption.py).
-    assert reset["since"] - killed_at < 15 and reset["seconds"] < 30 + 60
+    # Noticed at once by the survivor that talked to the lost worker, by the other after Gloo's timeout
+    # (5 s in elastic jobs). The reset then forms Horovod's world again and retraces the step: up to
+    # 38 s seen on a loaded 2-core machine. The bound catches a reset that hangs; how long a reset
+    # takes is measured by benchmarks/preemption.py.
+    assert reset["since"] - killed_at < 15 and reset["seconds"] < 90
     assert "elastic: training again on 2 worker(s)" in proc.stderr
     # keep-global-batch: 3 x 8 before, 2 x 12 after, and the learning rate follows the images seen without a jump.
     assert (summary["global_batch"], summary["batch_size"]) == (24, 12)
