@@ -246,7 +246,7 @@ def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_smal
     # Plain mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds
     # and SIGKILLs as long after. Its default, 1 s, makes the test a timing
     # bound on a loaded test machine (the time a save takes is measured by
-    # benchmarks/preemption.py); the README's fix for plain mpirun is to raise
+    # benchmarks/preemption.py); docs/long-runs.md's fix for plain mpirun is to raise
     # it, as here, so the test checks the stop itself.
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples)]
