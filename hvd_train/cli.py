@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         # Every rank stopped after the same step and rank 0's checkpoint is written.
         logger.warning("%s", e)
+        if argv is None:  # this process is the rank (not a caller of main())
+            from hvd_train.distributed import end_after_stop
+
+            end_after_stop(e.exit_code)
         return e.exit_code
     except UserError as e:
         if not e.agreed or rank == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,37 @@ def abort(code: int) -> None:
         # Horovod: MPI_Abort tears down every rank of an mpirun job at once.
         mpi.COMM_WORLD.Abort(code)
     # horovodrun ends the remaining workers when one exits non-zero.
+    os._exit(code)
+
+
+def end_after_stop(code: int) -> None:
+    """Ends this process after an agreed stop, skipping the interpreter's teardown; never returns.
+
+    Every rank has stopped after the same step, the checkpoint is on disk and
+    the outputs are closed. The teardown would free the input pipeline while
+    its threads still feed it from a Python generator, and TensorFlow waits
+    for them, at times until the launcher kills the rank (horovodrun does
+    after 5 s: exit 137, not 75); it also puts back the default signal
+    handlers first, so the same stop arriving again through the launcher
+    kills the rank (exit 143).
+    """
+    from hvd_train.preemption import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        # The same stop again (a launcher ending the other ranks passes it on once more): the
+        # process is on its way out already. (No Python handler could run during a hang in
+        # native code either; SIGKILL still ends it.)
+        signal.signal(sig, signal.SIG_IGN)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is not None and hvd.is_initialized():
+        # Horovod: every rank takes part in the shutdown (each one is on its way out).
+        hvd.shutdown()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # else mpirun reports the rank as "exiting improperly"
     os._exit(code)
 
 
