@@ -86,9 +86,19 @@ def wait_for_steps(proc, folder, steps, rank=0, timeout=300):
         time.sleep(0.02)
 
 
-def exit_codes(proc):
-    """The exit codes horovodrun reports for its ranks (it names the non-zero ones only)."""
-    return sorted(int(c) for c in re.findall(r"Process \d exit with status code (\d+)", proc.stdout + proc.stderr))
+def check_every_rank_ended_stopped(proc, size=2):
+    """Every rank printed where it stopped, and none was killed on its way out (137, 143).
+
+    horovodrun names the non-zero exit codes only, and not always all of them: once
+    one rank has ended it ends the others (SIGTERM, then SIGKILL 5 s later), and a
+    rank that ends in that same instant may go unreported (two of its launcher's
+    threads wait for the same child, and the one that loses reads status 0).
+    """
+    output = proc.stdout + proc.stderr
+    for rank in range(size):
+        assert re.search(rf"^\[{rank}\]<stderr>:.* stopped by ", output, re.M), f"rank {rank}\n{output_of(proc)}"
+    codes = {int(c) for c in re.findall(r"Process \d exit with status code (\d+)", output)}
+    assert codes == {EXIT_PREEMPTED}, output_of(proc)
 
 
 def finish(proc, timeout=180):
@@ -174,9 +184,9 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
     os.killpg(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert "SIGTERM too: the stop is under way" in proc.stdout + proc.stderr, output_of(proc)
-    # horovodrun reports each rank's exit, and sends the ranks left SIGTERM once one has ended:
-    # a third stop signal for them, which must not kill a rank on its way out (137 or 143).
-    assert exit_codes(proc) == [EXIT_PREEMPTED] * 2, output_of(proc)
+    # horovodrun sends the ranks left SIGTERM once one has ended: a third stop signal for them,
+    # which must not kill a rank on its way out (137 or 143).
+    check_every_rank_ended_stopped(proc)
     check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
 
 
@@ -189,7 +199,7 @@ def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path, uninterrup
     proc = finish(proc)
     assert "stopped by SIGTERM" in proc.stdout + proc.stderr  # rank 1's own line
     assert "stopped by a signal to another rank" in proc.stdout + proc.stderr  # rank 0's
-    assert exit_codes(proc) == [EXIT_PREEMPTED] * 2, output_of(proc)
+    check_every_rank_ended_stopped(proc)
     check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None)
 
 
