@@ -95,7 +95,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from hvd_train import compat  # noqa: F401
-    from hvd_train.data import shards
+    from hvd_train.data import packed
     from hvd_train.data.folder import list_folder
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
@@ -120,9 +120,9 @@ def main() -> int:
         client.create_bucket(Bucket="bench")
         upload(client, data, "bench", "folder/")
         s3 = S3Options(concurrency=args.concurrency)
-        size = shards.parse_size(args.shard_size)
-        shards.pack(str(data), str(work / "shards"), shard_size=size, on_bad_image="skip", seed=0, s3=s3)
-        shards.pack(str(data), "s3://bench/shards/", shard_size=size, on_bad_image="skip", seed=0, s3=s3)
+        size = packed.parse_size(args.shard_size)
+        packed.pack(str(data), str(work / "shards"), shard_size=size, on_bad_image="skip", seed=0, s3=s3)
+        packed.pack(str(data), "s3://bench/shards/", shard_size=size, on_bad_image="skip", seed=0, s3=s3)
 
         common = dict(rank=0, image_size=args.image_size, augment="crop,flip", preprocess=lambda x: x, seed=0, s3=s3)
         n = len(list_folder(str(data)))
@@ -133,15 +133,15 @@ def main() -> int:
             images = list_folder(url, s3=s3)
             return lambda: train_input(images, segments, **common).dataset
 
-        def packed(url):
-            shard_set = shards.load(url, "--data", s3)
+        def shard_set_at(url):
+            shard_set = packed.load(url, "--data", s3)
             return lambda: train_input(shard_set, segments, **common).dataset
 
         sources = {
             "local folder": folder(str(data)),
-            "local shards": packed(str(work / "shards")),
+            "local shards": shard_set_at(str(work / "shards")),
             "S3 folder (one object per image)": folder("s3://bench/folder/"),
-            "S3 shards": packed("s3://bench/shards/"),
+            "S3 shards": shard_set_at("s3://bench/shards/"),
         }
         rates = {name: measure(make, steps, args.batch_size, args.epochs) for name, make in sources.items()}
         ceiling = store_ceiling(client, "bench", "folder/", args.concurrency)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if notice and rank == 0:
         logger.info("%s", notice)
     args = build_parser().parse_args(argv)
-    from hvd_train.preemption import Preempted
+    from hvd_train.training.preemption import STOP_SIGNALS, Preempted
 
     try:
         return int(args.run(args) or 0)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # this process is the rank (not a caller of main())
             from hvd_train.distributed import end_after_stop
 
-            end_after_stop(e.exit_code)
+            end_after_stop(e.exit_code, STOP_SIGNALS)
         return e.exit_code
     except UserError as e:
         if not e.agreed or rank == 0:

@@ -135,7 +135,7 @@ def abort(code: int) -> None:
     os._exit(code)
 
 
-def end_after_stop(code: int) -> None:
+def end_after_stop(code: int, stop_signals) -> None:
     """Ends this process after an agreed stop, skipping the interpreter's teardown; never returns.
 
     Every rank has stopped after the same step, the checkpoint is on disk and
@@ -145,10 +145,12 @@ def end_after_stop(code: int) -> None:
     after 5 s: exit 137, not 75); it also puts back the default signal
     handlers first, so the same stop arriving again through the launcher
     kills the rank (exit 143).
-    """
-    from hvd_train.preemption import STOP_SIGNALS
 
-    for sig in STOP_SIGNALS:
+    Args:
+        code: the exit code.
+        stop_signals: the signals that ask for a stop (ignored from now on).
+    """
+    for sig in stop_signals:
         # The same stop again (a launcher ending the other ranks passes it on once more): the
         # process is on its way out already. (No Python handler could run during a hang in
         # native code either; SIGKILL still ends it.)
@@ -368,7 +370,8 @@ class ElasticSession:
     Subclasses implement ``save`` (commit in memory), ``restore`` (roll back
     to the last commit), ``sync`` (make every rank, new ones included, equal
     to the most advanced one), ``reset`` (after the world changed) and
-    ``body`` (train); ``commit`` is given to them.
+    ``body(commit)`` (train, calling ``commit()`` where the job may be rolled
+    back to: it saves, then checks for new or lost hosts).
     """
 
     def save(self) -> None:
@@ -383,15 +386,12 @@ class ElasticSession:
     def reset(self) -> None:
         raise NotImplementedError
 
-    def body(self):
+    def body(self, commit):
         raise NotImplementedError
-
-    def commit(self) -> None:
-        self._state.commit()
 
 
 def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
-    """Runs ``session.body()`` as an elastic Horovod job until it returns.
+    """Runs ``session.body(commit)`` as an elastic Horovod job until it returns.
 
     A collective that fails because a worker was lost makes every survivor
     roll back to the last commit (``session.restore``); Horovod then forms
@@ -464,8 +464,7 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
         session.reset()
 
     state = _State()
-    session._state = state
-    return run_fn(lambda _: guarded(session.body)(), reset)(state)
+    return run_fn(lambda _: guarded(session.body)(state.commit), reset)(state)
 
 
 def versions() -> dict[str, str]:

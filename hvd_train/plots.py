@@ -11,13 +11,27 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from hvd_train.log import get_logger
+
+log = get_logger("plots")
 
 CURVES = "curves.png"
 CONFUSION = "confusion.png"
 LR_FIND = "lr_find.png"
+
+
+def draw(path: str, plot: Callable[[], None]) -> bool:
+    """Draws the picture ``path`` with ``plot()``; a failure is a warning, never the end of a run."""
+    try:
+        plot()
+        return True
+    except Exception as e:  # matplotlib raises many types (fonts, memory, disk)
+        log.warning("could not draw %s: %s", path, e)
+        return False
 
 
 def _figure(width: float, height: float):

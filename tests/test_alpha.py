@@ -13,7 +13,7 @@ import tensorflow as tf
 from PIL import Image
 
 from hvd_train import compat  # noqa: F401
-from hvd_train.data import shards
+from hvd_train.data import packed
 from hvd_train.data.folder import ImageSet
 from hvd_train.data.images import ALPHA_BACKGROUNDS, decode
 from hvd_train.data.pipeline import eval_dataset, predict_dataset, train_input
@@ -124,7 +124,7 @@ def test_training_evaluation_and_prediction_composite(folder, background):
 
 
 def test_pack_stores_composited_pngs_and_leaves_opaque_images_byte_for_byte(folder, tmp_path):
-    manifest = shards.pack(
+    manifest = packed.pack(
         str(folder),
         str(tmp_path / "s"),
         shard_size=1 << 20,
@@ -136,12 +136,12 @@ def test_pack_stores_composited_pngs_and_leaves_opaque_images_byte_for_byte(fold
     assert manifest["alpha_background"] == "black" and manifest["composited"] == len(transparent_images())
     on_disk = json.loads((tmp_path / "s" / "manifest.json").read_text())
     assert on_disk["alpha_background"] == "black"
-    shard_set = shards.load(str(tmp_path / "s"), "--data")
+    shard_set = packed.load(str(tmp_path / "s"), "--data")
     assert shard_set.alpha_background == "black"
     opaque = (folder / "c0" / "opaque.png").read_bytes()
     seen = 0
     for record in tf.data.TFRecordDataset(str(tmp_path / "s" / "shard-00000.tfrecord")):
-        contents, _ = shards.parse(record)
+        contents, _ = packed.parse(record)
         data = contents.numpy()
         if data == opaque:
             continue

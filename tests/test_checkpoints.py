@@ -8,10 +8,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from hvd_train import checkpoints
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
-from hvd_train.state import TrainState
+from hvd_train.training import checkpoints
+from hvd_train.training.state import TrainState
 
 from conftest import small_file_system
 
@@ -150,10 +150,10 @@ def test_disk_full_is_a_clear_error_and_leaves_the_previous_checkpoint_intact(ti
 _SAVE_UNDER_LIMIT = """
 import json, sys
 import numpy as np
-from hvd_train import checkpoints
+from hvd_train.training import checkpoints
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
-from hvd_train.state import TrainState
+from hvd_train.training.state import TrainState
 
 out = sys.argv[1]
 def model(width):
@@ -240,9 +240,9 @@ def test_a_checkpoint_written_twice_at_the_same_point_gets_a_new_generation(tmp_
 _REWRITE = """
 import sys
 import numpy as np
-from hvd_train import checkpoints
+from hvd_train.training import checkpoints
 from hvd_train.compat import keras
-from hvd_train.state import TrainState
+from hvd_train.training.state import TrainState
 
 inputs = keras.Input((4,))
 model = keras.Model(inputs, keras.layers.Dense(3)(inputs))

@@ -94,38 +94,6 @@ def test_missing_config_file(tmp_path):
         config.from_sources(parse(["--config", str(tmp_path / "nope.yaml")]))
 
 
-def test_plan_scales_learning_rate_and_pads_steps():
-    cfg = config.build(
-        {
-            "data": {"train": "d", "batch_size": 32},
-            "optim": {"base_lr": 0.1, "warmup_epochs": 2},
-            "run": {"output": "o", "epochs": 10},
-            "horovod": {"grad_accum": 2},
-        }
-    )
-    plan = config.make_plan(cfg, world_size=4, num_train=1000)
-    assert plan.global_batch == 32 * 4 * 2
-    assert plan.scaled_lr == pytest.approx(0.1 * 8)
-    # ceil(1000 / 128) = 8 batches per rank, already a multiple of grad_accum
-    assert plan.steps_per_epoch == 8
-    assert plan.steps_per_epoch * 32 * 4 >= 1000
-    assert plan.batch_size == 32
-    odd = config.make_plan(cfg, world_size=4, num_train=1100)  # ceil(1100/128) = 9 -> 10
-    assert odd.steps_per_epoch == 10
-
-
-def test_plan_can_keep_the_global_batch_for_another_number_of_workers():
-    cfg = config.build({"data": {"train": "d", "batch_size": 32}, "optim": {"base_lr": 0.1}, "run": {"output": "o"}})
-    four = config.make_plan(cfg, world_size=4, num_train=1000)
-    two = config.make_plan(cfg, world_size=2, num_train=1000, global_batch=four.global_batch)
-    assert (two.batch_size, two.global_batch) == (64, 128)
-    assert two.scaled_lr == pytest.approx(four.scaled_lr)
-    # Keeping each worker's batch instead: the global batch and the rate follow the workers.
-    assert config.make_plan(cfg, world_size=2, num_train=1000).scaled_lr == pytest.approx(four.scaled_lr / 2)
-    three = config.make_plan(cfg, world_size=3, num_train=1000, global_batch=128)  # 128 / 3: nearest whole share
-    assert three.batch_size == 43 and three.scaled_lr == pytest.approx(0.1 * 129 / 32)
-
-
 @pytest.mark.parametrize(
     "text, parsed",
     [

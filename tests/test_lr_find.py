@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from hvd_train.lr_find import centred_average, suggest
+from hvd_train.training.lr_find import centred_average, suggest
 
 from conftest import TINY, cli, launch, output_of, read_json
 

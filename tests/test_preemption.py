@@ -141,7 +141,7 @@ def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, reru
     if "horovodrun" not in str(proc.args[0]):
         assert "Traceback" not in both, output_of(proc)
     if rerun is None:
-        from hvd_train import checkpoints
+        from hvd_train.training import checkpoints
 
         found = checkpoints.latest(str(out))
         assert found is not None and Path(found.path) == Path(checkpoint)
@@ -275,7 +275,7 @@ def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_smal
     assert len(lines) == 2, output_of(proc)
     checkpoint = re.search(r"checkpoint (\S+); rerun", lines[0]).group(1)
     assert Path(checkpoint).is_dir()
-    from hvd_train import checkpoints
+    from hvd_train.training import checkpoints
 
     assert Path(checkpoints.latest(str(out)).path) == Path(checkpoint), "a rerun resumes from it"
 
@@ -301,7 +301,7 @@ def test_sigkill_of_a_worker_ends_the_job_fast_with_a_recent_checkpoint(launcher
     time.sleep(0.5)
     assert processes_of(out) == [], "processes of the job are left"
     # What a rerun would resume from (a rerun after a kill runs in the checkpoint-write test below).
-    from hvd_train import checkpoints
+    from hvd_train.training import checkpoints
 
     found = checkpoints.latest(str(out))
     assert found is not None, output_of(proc)

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from hvd_train import plots, report
+from hvd_train import plots, report_page
 from hvd_train.errors import UserError
-from hvd_train.reporting import Reporters
+from hvd_train.training.writers import Reporters
 
 
 def _colours(path):
@@ -67,7 +67,7 @@ def test_confusion_grows_with_the_classes(tmp_path, n):
 
 def test_per_class_rows_are_worst_first_and_name_the_usual_mistake():
     matrix = np.array([[8, 2, 0], [5, 5, 0], [0, 0, 0]])
-    rows = report.per_class_rows(matrix, ["cat", "dog", "eel"])
+    rows = report_page.per_class_rows(matrix, ["cat", "dog", "eel"])
     assert [r[0] for r in rows] == ["dog", "cat", "eel"]  # 0.5, 0.8, then the class without images
     assert rows[0][1:] == [10, 5, 0.5, "cat (5)"] and rows[2][3] is None
 
@@ -89,12 +89,12 @@ def _run_folder(tmp_path, summary=True):
 
 
 def test_report_of_a_run_in_progress(tmp_path):
-    page = open(report.write(str(_run_folder(tmp_path, summary=False)))).read()
+    page = open(report_page.write(str(_run_folder(tmp_path, summary=False)))).read()
     assert "has not finished" in page and page.count("<img") == 1
 
 
 def test_report_escapes_names_and_embeds_its_pictures(tmp_path):
-    path = report.write(str(_run_folder(tmp_path)), str(tmp_path / "r.html"))
+    path = report_page.write(str(_run_folder(tmp_path)), str(tmp_path / "r.html"))
     page = open(path).read()
     assert "b&lt;script&gt;" in page and "<script>" not in page
     assert page.count('src="data:image/png;base64,') == 2 and "http" not in page
@@ -102,6 +102,6 @@ def test_report_escapes_names_and_embeds_its_pictures(tmp_path):
 
 def test_report_needs_a_run_folder(tmp_path):
     with pytest.raises(UserError, match="has no run_config.yaml"):
-        report.write(str(tmp_path))
+        report_page.write(str(tmp_path))
     with pytest.raises(UserError, match="does not exist"):
-        report.write(str(tmp_path / "nope"))
+        report_page.write(str(tmp_path / "nope"))

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from hvd_train import compat  # noqa: F401
-from hvd_train.data import shards
+from hvd_train.data import packed
 from hvd_train.data.folder import list_folder, split_per_class
 from hvd_train.data.images import find_bad_images
 from hvd_train.data.pipeline import eval_dataset, input_failure, train_input
@@ -206,13 +206,13 @@ def test_pack_s3_folder_to_s3_shards_and_read_back(s3, tmp_path):
     (local / "b" / "bad.png").write_bytes(b"junk")
     server.upload_folder(local, bucket, "raw/")
     options = S3Options(concurrency=8, max_attempts=2)
-    shards.pack(
+    packed.pack(
         f"s3://{bucket}/raw/", f"s3://{bucket}/packed/", shard_size=2000, on_bad_image="skip", seed=1, s3=options
     )
     manifest = json.loads(server.client().get_object(Bucket=bucket, Key="packed/manifest.json")["Body"].read())
     assert manifest["images"] == 12 and manifest["skipped"][0]["path"] == f"s3://{bucket}/raw/b/bad.png"
     assert S3_SECRET not in json.dumps(manifest)
-    shard_set = shards.load(f"s3://{bucket}/packed/", "--data", options)
+    shard_set = packed.load(f"s3://{bucket}/packed/", "--data", options)
     assert len(shard_set.shards) > 2
     ds = eval_dataset(
         shard_set, rank=0, size=1, batch_size=5, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
@@ -225,12 +225,12 @@ def test_corrupt_s3_shard_names_the_key(s3, tmp_path):
     server, bucket = s3
     write_images(tmp_path / "d", {"a": 6, "b": 6}, size=10)
     options = S3Options(max_attempts=2)
-    shards.pack(str(tmp_path / "d"), f"s3://{bucket}/p/", shard_size=1500, on_bad_image="skip", seed=1, s3=options)
+    packed.pack(str(tmp_path / "d"), f"s3://{bucket}/p/", shard_size=1500, on_bad_image="skip", seed=1, s3=options)
     client = server.client()
     body = bytearray(client.get_object(Bucket=bucket, Key="p/shard-00000.tfrecord")["Body"].read())
     body[40] ^= 0xFF
     client.put_object(Bucket=bucket, Key="p/shard-00000.tfrecord", Body=bytes(body))
-    shard_set = shards.load(f"s3://{bucket}/p/", "--data", options)
+    shard_set = packed.load(f"s3://{bucket}/p/", "--data", options)
     held_out = eval_dataset(
         shard_set, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
     )

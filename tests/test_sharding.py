@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hvd_train.data.sharding import Segment, Strided, count, epoch_order, from_intervals, to_intervals
-from hvd_train.state import TrainState
+from hvd_train.training.state import TrainState
 
 STRIDED = Strided()
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from hvd_train import compat  # noqa: F401
-from hvd_train.data import shards
+from hvd_train.data import packed
 from hvd_train.data.blocks import ShardLayout
 from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment, from_intervals
@@ -40,12 +40,12 @@ def folder(tmp_path_factory):
 def pack(src, dst, **kw):
     options = dict(shard_size=600, on_bad_image="skip", seed=3, s3=S3Options())
     options.update(kw)
-    return shards.pack(str(src), str(dst), **options)
+    return packed.pack(str(src), str(dst), **options)
 
 
 @pytest.fixture(scope="module")
-def packed(folder, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("packed")
+def packed_dir(folder, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("packed_dir")
     pack(folder, dst)
     return dst
 
@@ -59,19 +59,19 @@ def ids_of(ds):
     return ids, labels
 
 
-def test_shards_are_standard_tfrecords_with_every_image(folder, packed):
+def test_shards_are_standard_tfrecords_with_every_image(folder, packed_dir):
     import tensorflow as tf
 
-    manifest = json.loads((packed / "manifest.json").read_text())
+    manifest = json.loads((packed_dir / "manifest.json").read_text())
     assert manifest["images"] == N and manifest["classes"] == ["class0", "class1", "class2"]
     assert manifest["class_counts"] == [16, 16, 15]
     assert len(manifest["shards"]) > 3, "a small --shard-size gives many shards"
     seen = {}
     for shard in manifest["shards"]:
-        data = (packed / shard["file"]).read_bytes()
+        data = (packed_dir / shard["file"]).read_bytes()
         assert len(data) == shard["bytes"] and shard["offsets"][0] == 0
         # TensorFlow's own reader checks every record's CRC.
-        records = list(tf.data.TFRecordDataset(str(packed / shard["file"])).as_numpy_iterator())
+        records = list(tf.data.TFRecordDataset(str(packed_dir / shard["file"])).as_numpy_iterator())
         assert len(records) == shard["images"]
         for record in records:
             ex = tf.train.Example.FromString(record).features.feature
@@ -90,8 +90,8 @@ def shard_input(shard_set, rank, size, batch=4, epochs=2, first_step=0, seed=1):
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
-def test_every_rank_runs_the_same_steps_and_sees_every_image(packed, size):
-    shard_set = shards.load(str(packed), "--data")
+def test_every_rank_runs_the_same_steps_and_sees_every_image(packed_dir, size):
+    shard_set = packed.load(str(packed_dir), "--data")
     batch, epochs = 4, 2
     steps = -(-N // (batch * size))
     per_rank = [ids_of(shard_input(shard_set, rank, size, batch, epochs).dataset) for rank in range(size)]
@@ -108,8 +108,8 @@ def test_every_rank_runs_the_same_steps_and_sees_every_image(packed, size):
     assert first != second, "the order changes from epoch to epoch"
 
 
-def test_records_of_a_rank_are_read_in_few_ranged_reads_and_mixed(packed):
-    shard_set = shards.load(str(packed), "--data")
+def test_records_of_a_rank_are_read_in_few_ranged_reads_and_mixed(packed_dir):
+    shard_set = packed.load(str(packed_dir), "--data")
     seg = Segment.whole(0, N, 2, 4, seed=1)
     layout = ShardLayout(shard_set, seed=1, epoch=0, block_bytes=2000, cycle=3)
     blocks, block_of, within, positions = layout.reads(seg, rank=0)
@@ -123,8 +123,8 @@ def test_records_of_a_rank_are_read_in_few_ranged_reads_and_mixed(packed):
         assert set(shard[mine]) == {b.shard} and sorted(index[mine]) == list(range(b.first, b.last))
 
 
-def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packed):
-    shard_set = shards.load(str(packed), "--data")
+def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packed_dir):
+    shard_set = packed.load(str(packed_dir), "--data")
     whole = ids_of(shard_input(shard_set, 1, 2, epochs=1).dataset)[0]
     later = shard_input(shard_set, 1, 2, epochs=1, first_step=3)
     assert ids_of(later.dataset)[0] == whole[3 * 4 :]
@@ -135,8 +135,8 @@ def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packe
 
 
 @pytest.mark.parametrize("sizes", [(2, 3), (3, 1, 2)])
-def test_redealing_a_shard_epoch_covers_exactly_the_records_left(packed, sizes):
-    shard_set = shards.load(str(packed), "--data")
+def test_redealing_a_shard_epoch_covers_exactly_the_records_left(packed_dir, sizes):
+    shard_set = packed.load(str(packed_dir), "--data")
     layout = ShardLayout(shard_set, seed=1, epoch=0)
     seg = Segment.whole(0, N, sizes[0], 4, seed=1)
     consumed = set()
@@ -152,8 +152,8 @@ def test_redealing_a_shard_epoch_covers_exactly_the_records_left(packed, sizes):
     assert consumed == set(range(N))
 
 
-def test_evaluation_counts_each_image_once(packed):
-    shard_set = shards.load(str(packed), "--val-data")
+def test_evaluation_counts_each_image_once(packed_dir):
+    shard_set = packed.load(str(packed_dir), "--val-data")
     for size in (1, 2, 3, 5):
         ids = []
         for rank in range(size):
@@ -164,8 +164,8 @@ def test_evaluation_counts_each_image_once(packed):
         assert sorted(ids) == list(range(N)), size
 
 
-def test_held_out_labels_map_onto_training_classes(packed):
-    shard_set = shards.load(str(packed), "--val-data", classes=["class2", "class0", "class1", "other"])
+def test_held_out_labels_map_onto_training_classes(packed_dir):
+    shard_set = packed.load(str(packed_dir), "--val-data", classes=["class2", "class0", "class1", "other"])
     assert shard_set.label_map == (1, 2, 0) and shard_set.counts() == [15, 16, 16, 0]
     ds = eval_dataset(
         shard_set, rank=0, size=1, batch_size=8, image_size=8, crop_fraction=1.0, preprocess=lambda x: x
@@ -173,7 +173,7 @@ def test_held_out_labels_map_onto_training_classes(packed):
     ids, labels = ids_of(ds)
     assert all(label == [1, 2, 0][i % 3] for i, label in zip(ids, labels))
     with pytest.raises(UserError, match="class 'class2' of .* is not a training class"):
-        shards.load(str(packed), "--val-data", classes=["class0", "class1"])
+        packed.load(str(packed_dir), "--val-data", classes=["class0", "class1"])
 
 
 def test_bad_images_are_listed_or_fail(folder, tmp_path):
@@ -201,19 +201,19 @@ def test_val_split_overwrite_and_stale_shards(folder, tmp_path):
     pack(folder, tmp_path / "train", shard_size=1 << 20, overwrite=True)
     after = sorted(p.name for p in (tmp_path / "train").glob("shard-*"))
     assert len(before) > 1 and after == ["shard-00000.tfrecord"], "stale shards are removed"
-    assert shards.load(str(tmp_path / "train"), "--data").shards[0].images == N
+    assert packed.load(str(tmp_path / "train"), "--data").shards[0].images == N
 
 
-def test_corrupt_shard_is_a_clear_error(packed, tmp_path):
+def test_corrupt_shard_is_a_clear_error(packed_dir, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(packed, copy)
+    shutil.copytree(packed_dir, copy)
     victim = copy / "shard-00001.tfrecord"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    shard = shard_input(shards.load(str(copy), "--data"), 0, 1, epochs=1)
+    shard = shard_input(packed.load(str(copy), "--data"), 0, 1, epochs=1)
     import tensorflow as tf
 
     with pytest.raises(tf.errors.OpError):
@@ -243,9 +243,9 @@ def test_interrupted_pack_leaves_no_manifest(tmp_path):
 
 
 def test_size_parsing():
-    assert shards.parse_size("128MB") == 128_000_000
-    assert shards.parse_size("1GiB") == 1 << 30
-    assert shards.parse_size("65536") == 65536
+    assert packed.parse_size("128MB") == 128_000_000
+    assert packed.parse_size("1GiB") == 1 << 30
+    assert packed.parse_size("65536") == 65536
     for bad in ("lots", "12XB", "10"):
         with pytest.raises(UserError, match="--shard-size"):
-            shards.parse_size(bad)
+            packed.parse_size(bad)

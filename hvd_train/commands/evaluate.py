@@ -30,14 +30,12 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed, plots
-    from hvd_train.data.pipeline import eval_dataset, input_failure
+    from hvd_train.data.pipeline import eval_dataset, input_errors
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
-    from hvd_train.errors import UserError
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
-    from hvd_train.reporting import draw
 
     ctx = distributed.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
@@ -54,14 +52,8 @@ def run(args: argparse.Namespace) -> int:
         s3=s3,
         alpha_background=args.alpha_background or trained.alpha_background,
     )
-    try:
+    with input_errors(ctx.rank, held_out.reader, during="evaluation"):
         result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
-    except Exception:  # tf.data says only that a generator raised; the reader knows why
-        failure = input_failure(held_out.reader)
-        if isinstance(failure, UserError):
-            # S3 gave up after its retries, or a shard is corrupt: this rank ends the job.
-            raise UserError(f"rank {ctx.rank}: {failure}") from None
-        raise
     if not ctx.is_root:
         return 0
     per_class = result.per_class_accuracy()
@@ -90,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     for name, row in zip(trained.classes, result.confusion.tolist()):
         print(f"  {name:<{width}}  " + " ".join(f"{n:5d}" for n in row))
     picture = os.path.join(os.path.dirname(os.path.abspath(path)), plots.CONFUSION)
-    drawn = draw(picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}"))
+    drawn = plots.draw(
+        picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}")
+    )
     get_logger().info("wrote %s%s", path, f" and {picture}" if drawn else "")
     return 0

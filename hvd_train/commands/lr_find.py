@@ -8,7 +8,7 @@ from hvd_train import config
 
 
 def add_parser(subparsers) -> None:
-    from hvd_train import lr_find
+    from hvd_train.training import lr_find
 
     parser = subparsers.add_parser(
         "lr-find",
@@ -42,14 +42,15 @@ def run(args: argparse.Namespace) -> int:
             )
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
-    from hvd_train import distributed, lr_find, train
+    from hvd_train import distributed
     from hvd_train.log import get_logger
     from hvd_train.models import get_spec
+    from hvd_train.training import lr_find, stages
 
     get_spec(cfg.model.name)
     ctx = distributed.init(cfg.horovod.threads_per_rank, cfg.run.deterministic)
-    train.prepare_output(cfg, ctx)
-    job = train.load_data(cfg, ctx)
+    stages.prepare_output(cfg, ctx)
+    job = stages.load_data(cfg, ctx)
 
     def sweep():
         threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)

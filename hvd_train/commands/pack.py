@@ -34,7 +34,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hvd_train import compat  # noqa: F401  (TensorFlow set up quietly)
-    from hvd_train.data import shards, storage
+    from hvd_train.data import packed, storage
     from hvd_train.errors import UserError
 
     if not 0.0 <= args.val_split < 1.0:
@@ -42,10 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.s3_concurrency < 1:
         raise UserError(f"--s3-concurrency {args.s3_concurrency} is invalid; use a whole number >= 1.")
     s3 = storage.S3Options(endpoint=args.s3_endpoint, concurrency=args.s3_concurrency)
-    shards.pack(
+    packed.pack(
         args.src,
         args.dst,
-        shard_size=shards.parse_size(args.shard_size),
+        shard_size=packed.parse_size(args.shard_size),
         on_bad_image=args.on_bad_image,
         seed=args.seed,
         s3=s3,

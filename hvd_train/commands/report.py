@@ -19,9 +19,9 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import report
+    from hvd_train import report_page
     from hvd_train.log import get_logger
 
-    path = report.write(args.run_dir, args.output)
+    path = report_page.write(args.run_dir, args.output)
     get_logger().info("wrote %s", path)
     return 0

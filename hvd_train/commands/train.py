@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     compute.xla_environment(cfg.compute.xla)
 
-    from hvd_train import distributed, log, train
+    from hvd_train import distributed, log
     from hvd_train.models import get_spec
 
     try:
@@ -53,5 +53,7 @@ def run(args: argparse.Namespace) -> int:
     distributed.warn_ineffective(cfg.horovod, ctx)
     if cfg.run.log_all_ranks:
         log.setup(ctx.rank, ctx.size, all_ranks=True)
-    train.run(cfg, ctx)
+    from hvd_train.training.run import run as train
+
+    train(cfg, ctx)
     return 0

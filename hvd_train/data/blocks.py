@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hvd_train.data.packed import ShardSet
 from hvd_train.data.sharding import Layout, Segment
-from hvd_train.data.shards import ShardSet
 
 BLOCK_BYTES = 4 << 20  # a ranged read: large enough for S3 throughput, small enough to mix
 CYCLE = 16  # blocks read interleaved, one record from each in turn

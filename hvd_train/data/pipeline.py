@@ -28,12 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvd_train.compat import tf
-from hvd_train.data import shards, storage
+from hvd_train.data import packed, storage
 from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window
+from hvd_train.data.packed import ShardSet
 from hvd_train.data.sharding import Segment, Strided, epoch_order
-from hvd_train.data.shards import ShardSet
+from hvd_train.errors import UserError
 
 Preprocess = Callable[[tf.Tensor], tf.Tensor]
 
@@ -96,7 +97,7 @@ def train_input(
         ds = _shard_records(data, segments, rank, seed, reader)
 
         def load(record, index, epoch):
-            contents, label = shards.parse(record)
+            contents, label = packed.parse(record)
             return augmenter(contents, epoch * n + index), tf.gather(label_map, label), index
 
     else:
@@ -216,7 +217,7 @@ class StreamReader:
         store = self._stores[shard_set.url]
         start, end = shard.span(block.first, block.last)
         data = store.read(shard.file, start, end)
-        return shards.unframe(data, block.last - block.first, store.full(shard.file) + f" (bytes {start}-{end})")
+        return packed.unframe(data, block.last - block.first, store.full(shard.file) + f" (bytes {start}-{end})")
 
     def dataset(self, stream, signature) -> tf.data.Dataset:
         def guarded():
@@ -236,6 +237,52 @@ class StreamReader:
 def input_failure(*readers: StreamReader | None) -> Exception | None:
     """The first failure of ``readers`` (the ones feeding the dataset that failed), if any."""
     return next((r.error for r in readers if r is not None and r.error is not None), None)
+
+
+class input_errors:
+    """Words an input pipeline failure as one line naming its cause, for training and ``evaluate`` alike.
+
+    tf.data says only that a generator raised; the reader knows why (S3 gave
+    up after its retries, a shard is corrupt). Otherwise a file that is gone
+    or unreadable now was there at the start: the images changed while this
+    ran. Only this rank knows, so the error names it. Other errors, a lost
+    worker's failed collective among them, pass through.
+
+    Args:
+        rank: this rank.
+        reader: the ``StreamReader`` feeding the dataset, if any.
+        during: ``"training"`` or ``"evaluation"``, for the message.
+    """
+
+    def __init__(self, rank: int, reader: StreamReader | None = None, during: str = "training"):
+        self.rank, self.reader, self.during = rank, reader, during
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is None or not isinstance(e, tf.errors.OpError):
+            return False
+        from hvd_train.distributed import is_horovod_failure
+
+        if is_horovod_failure(e):
+            return False  # a lost worker: the elastic wrapper handles it
+        failure = input_failure(self.reader)
+        if failure is not None:
+            if isinstance(failure, UserError):
+                raise UserError(f"rank {self.rank}: {failure}") from None
+            raise failure from None
+        if not isinstance(
+            e, (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError)
+        ):
+            return False
+        # Images were checked at the start; failing now means one changed since.
+        reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
+        again = "rerun (the run resumes)" if self.during == "training" else "run it again"
+        raise UserError(
+            f"rank {self.rank} could not read its input during {self.during} ({reason}); "
+            f"was an image deleted or changed during {self.during}? Fix the data and {again}."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -284,7 +331,7 @@ def eval_dataset(
         ds = reader.dataset(stream, tf.TensorSpec([None], tf.string)).unbatch()
 
         def load_record(record):
-            contents, label = shards.parse(record)
+            contents, label = packed.parse(record)
             return center(contents), tf.gather(label_map, label)
 
         ds = ds.map(load_record, num_parallel_calls=tf.data.AUTOTUNE)

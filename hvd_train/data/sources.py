@@ -10,11 +10,10 @@ agree.
 
 from __future__ import annotations
 
-from hvd_train.config import DataConfig
-from hvd_train.data import shards
-from hvd_train.data.folder import ImageSet, list_folder, split_per_class
+from hvd_train.data import packed
+from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
-from hvd_train.data.shards import ShardSet
+from hvd_train.data.packed import ShardSet
 from hvd_train.data.storage import S3Options
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
@@ -28,55 +27,9 @@ Data = ImageSet | ShardSet
 
 def open_data(url: str, flag: str, s3: S3Options, classes: list[str] | None = None) -> Data:
     """The image folder or shard set at ``url`` (local or ``s3://``)."""
-    if shards.is_shard_set(url, s3):
-        return shards.load(url, flag, s3, classes)
+    if packed.is_shard_set(url, s3):
+        return packed.load(url, flag, s3, classes)
     return list_folder(url, flag, classes=classes, s3=s3)
-
-
-def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[Data, Data | None]:
-    """The training images and the held-out images (None when there are none).
-
-    Raises:
-        UserError: on every rank, for any problem with the data.
-    """
-    s3 = cfg.s3_options()
-
-    def listing():
-        train = open_data(cfg.train, "--data", s3)
-        if cfg.val:
-            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes)
-        if cfg.val_split > 0:
-            if isinstance(train, ShardSet):
-                raise UserError(
-                    f"--data {cfg.train} is a packed shard set, which --val-split cannot divide; "
-                    f"pack the held-out images separately (hvd-train pack --val-split) and pass --val-data, "
-                    f"or pass --val-split 0."
-                )
-            return split_per_class(train, cfg.val_split, seed)
-        return train, None
-
-    train, val = ctx.on_root(listing, name="list_data")
-    for data, flag in ((train, "--data"), (val, "--val-data")):
-        packed = getattr(data, "alpha_background", "")
-        if packed and packed != cfg.alpha_background and ctx.is_root:
-            log.warning(
-                "%s %s was packed with transparent pixels composited over %s; --alpha-background %s "
-                "cannot change that: pack it again with --alpha-background %s, or pass --alpha-background %s",
-                flag,
-                data.url,
-                packed,
-                cfg.alpha_background,
-                cfg.alpha_background,
-                packed,
-            )
-    train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3)
-    if val is not None:
-        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3)
-        if len(val) == 0:
-            val = None
-    if val is None and ctx.is_root:
-        log.warning("no held-out images (--val-data not given, --val-split 0): accuracy is not measured")
-    return train, val
 
 
 def evaluation_set(

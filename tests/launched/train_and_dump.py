@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 
-from hvd_train import config, distributed, log, train
+from hvd_train import config, distributed, log
+from hvd_train.training import run
 
 dump_dir, train_args = sys.argv[1], sys.argv[2:]
 parser = argparse.ArgumentParser()
@@ -19,7 +20,7 @@ cfg = config.from_sources(parser.parse_args(train_args))
 os.environ.update(cfg.horovod.environment(cfg.run.output))
 ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
 log.setup(ctx.rank, ctx.size)
-outcome = train.run(cfg, ctx)
+outcome = run.run(cfg, ctx)
 assert outcome.summary["world_size"] == ctx.size == int(os.environ.get("EXPECTED_SIZE", ctx.size))
 weights = outcome.model.get_weights()
 np.savez(os.path.join(dump_dir, f"weights-rank{ctx.rank}.npz"), *weights)

@@ -14,23 +14,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 from hvd_train import files, plots
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
 log = get_logger("train")
-
-
-def draw(path: str, plot: Callable[[], None]) -> bool:
-    """Draws the picture ``path`` with ``plot()``; a failure is a warning, never the end of a run."""
-    try:
-        plot()
-        return True
-    except Exception as e:  # matplotlib raises many types (fonts, memory, disk)
-        log.warning("could not draw %s: %s", path, e)
-        return False
 
 
 METRIC_COLUMNS = (
@@ -207,14 +196,14 @@ class Reporters:
     def _paint(self) -> None:
         # matplotlib's import and first figure cost ~1 s: paid now, while the first
         # epoch traces its graph, not at an epoch end next to a checkpoint.
-        draw(self.curves, lambda: plots.curves([], io.BytesIO()))
+        plots.draw(self.curves, lambda: plots.curves([], io.BytesIO()))
         while True:
             with self._painter:
                 self._painter.wait_for(lambda: self._latest is not None or self._closed)
                 if self._latest is None:
                     return  # closed, and nothing left to draw
                 rows, handed, self._latest = self._latest, self._handed, None  # only the latest epochs matter
-            draw(self.curves, lambda rows=rows: plots.curves(rows, self.curves, self.title))
+            plots.draw(self.curves, lambda rows=rows: plots.curves(rows, self.curves, self.title))
             with self._painter:
                 self._drawn = handed
                 self._painter.notify_all()

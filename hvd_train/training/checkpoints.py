@@ -44,7 +44,7 @@ import numpy as np
 from hvd_train.compat import tf
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.state import TrainState
+from hvd_train.training.state import TrainState
 
 log = get_logger("checkpoints")
 

@@ -103,7 +103,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     """Sweeps the learning rate on a copy of ``job``'s model, in this process alone.
 
     Args:
-        job: the run's ``loop.Job`` (configuration, training images, input size).
+        job: the run's ``job.Job`` (configuration, training images, input size).
         steps: most steps of the sweep.
         start, end: first and last learning rate of the exponential sweep.
 
@@ -114,7 +114,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     from hvd_train.compat import keras, tf
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
-    from hvd_train.models import HEAD_LAYER, build_model, get_spec
+    from hvd_train.models import HEAD_LAYER, build_model
 
     cfg = job.cfg
     if not (0 < start < end) or steps < 10:
@@ -150,7 +150,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
         rank=0,
         image_size=job.image_size,
         augment=cfg.data.augment,
-        preprocess=get_spec(cfg.model.name).preprocess_input(),
+        preprocess=job.spec.preprocess_input(),
         seed=cfg.run.seed,
         threads=threads,
         s3=cfg.data.s3_options(),
@@ -199,10 +199,9 @@ def write(sweep: Sweep, folder: str) -> None:
     files.write_text(os.path.join(folder, CSV), table.getvalue())
     result = {"suggested_base_lr": sweep.suggestion, "steps": len(sweep.lrs), "stopped": sweep.stopped}
     files.write_json(os.path.join(folder, RESULT), result)
-    from hvd_train.reporting import draw
 
     path = os.path.join(folder, plots.LR_FIND)
-    draw(path, lambda: plots.lr_find(sweep.lrs, sweep.losses, sweep.centred, sweep.suggestion, path))
+    plots.draw(path, lambda: plots.lr_find(sweep.lrs, sweep.losses, sweep.centred, sweep.suggestion, path))
 
 
 def saved_suggestion(folder: str) -> float | None:

@@ -1,0 +1,90 @@
+"""The end of an epoch on every rank: metrics averaged over ranks, BatchNorm statistics synced, held-out scores.
+
+``close_epoch`` gives the epoch's logs (the same on every rank); ``evaluate``
+scores every held-out image exactly once, spread over the ranks, and is what
+the final evaluation calls too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hvd_train import distributed
+from hvd_train.classifier import Net
+from hvd_train.data.pipeline import eval_dataset, input_errors
+from hvd_train.distributed import Context
+from hvd_train.evaluation import EvalResult
+from hvd_train.evaluation import evaluate as score
+from hvd_train.log import get_logger
+from hvd_train.training.job import History, Job
+
+log = get_logger("train")
+
+
+def close_epoch(
+    job: Job, ctx: Context, net: Net, epoch: int, batch_size: int, history: History, steps: int, seconds: float, waited
+) -> dict:
+    """The logs of ``epoch``, the same on every rank; kept in ``history.epochs``.
+
+    Args:
+        batch_size: images per worker per step.
+        steps, seconds: the steps this process ran in the epoch and their time (0 when none).
+        waited: seconds this rank's input waited on storage in the epoch, or None without a storage reader.
+    """
+    logs = _averaged_metrics(net, ctx)
+    logs["lr"] = float(net.optimizer.learning_rate.numpy())
+    images = steps * batch_size * ctx.size
+    logs["epoch_seconds"] = seconds
+    logs["images_per_sec"] = images / seconds if seconds > 0 else None
+    if waited is not None:
+        _report_input_wait(ctx, epoch, waited, logs)
+    # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
+    distributed.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
+    if job.val is not None:
+        result = evaluate(job, ctx, net, batch_size, history, f"val.{epoch}")
+        logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
+    history.epochs[epoch] = logs
+    return logs
+
+
+def evaluate(job: Job, ctx: Context, net: Net, batch_size: int, history: History, name: str) -> EvalResult:
+    """Scores every held-out image once (all ranks take part); kept as ``history.last_eval``."""
+    cfg = job.cfg
+    held_out = eval_dataset(
+        job.val,
+        rank=ctx.rank,
+        size=ctx.size,
+        batch_size=batch_size,
+        image_size=job.image_size,
+        crop_fraction=cfg.data.crop_fraction,
+        preprocess=job.spec.preprocess_input(),
+        threads=distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank),
+        s3=cfg.data.s3_options(),
+        alpha_background=cfg.data.alpha_background,
+    )
+    with input_errors(ctx.rank, held_out.reader):
+        result = score(net.model, held_out.dataset, len(job.classes), ctx, name=name)
+    history.last_eval = result
+    return result
+
+
+def _averaged_metrics(net: Net, ctx: Context) -> dict:
+    mine = net.metric_results()
+    names = sorted(mine)
+    # Horovod: the epoch's loss and accuracy averaged over ranks.
+    total = ctx.allreduce_sum(np.array([mine[k] for k in names], np.float64), name="metrics")
+    return {k: float(v) / ctx.size for k, v in zip(names, total)}
+
+
+def _report_input_wait(ctx: Context, epoch: int, waited: float, logs: dict) -> None:
+    worst = max(ctx.allgather_object(waited, name=f"wait.{epoch}"))
+    logs["input_wait_seconds"] = worst
+    seconds = float(logs.get("epoch_seconds") or 0.0)
+    if ctx.is_root:
+        log.info(
+            "epoch %d: input waited %.2f s on storage (slowest rank; %.0f%% of the epoch's %.1f s)",
+            epoch + 1,
+            worst,
+            100.0 * worst / seconds if seconds else 0.0,
+            seconds,
+        )

@@ -1,0 +1,153 @@
+"""The end of a run: final evaluation, the identical-weights check, ``model.keras`` and ``summary.json``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from hvd_train import compute, distributed, files, plots
+from hvd_train.classifier import Net
+from hvd_train.compat import keras
+from hvd_train.distributed import Context
+from hvd_train.evaluation import EvalResult
+from hvd_train.log import get_logger
+from hvd_train.models import build_model
+from hvd_train.training import epoch_end
+from hvd_train.training.job import History, Job, median_rate
+from hvd_train.training.state import TrainState
+
+log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run leaves on each rank.
+
+    Attributes:
+        summary: the numbers of ``summary.json``.
+        model: the trained model of this rank.
+    """
+
+    summary: dict
+    model: keras.Model
+
+
+def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History) -> Outcome:
+    """Final evaluation, identical-weights check, ``model.keras`` and ``summary.json``."""
+    cfg = job.cfg
+    final = history.last_eval
+    if final is None and job.val is not None:
+        final = epoch_end.evaluate(job, ctx, net, state.batch_size, history, "val.final")
+    digests = ctx.allgather_object(_weights_digest(net.model), name="weights_digest")
+    identical = len(set(digests)) == 1
+    if not identical:
+        log.error("ranks ended with different weights: %s", digests)
+    summary = _summary(job, ctx, state, final, history, digests, identical)
+    if ctx.is_root:
+        if job.precision == "fp32":
+            export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        else:
+            # The saved model computes in float32: inference never meets float16.
+            export = compute.float32_copy(
+                net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+            )
+        _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
+        files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
+        if final is not None:
+            path = os.path.join(cfg.run.output, plots.CONFUSION)
+            plots.draw(
+                path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)")
+            )
+        if final is not None:
+            log.info(
+                "held-out accuracy %.4f (top-%d %.4f) on %d images; %.1f images/s on %d worker(s)",
+                final.accuracy,
+                final.k,
+                final.top5,
+                final.count,
+                summary["images_per_sec"] or 0,
+                ctx.size,
+            )
+        log.info("outputs in %s", cfg.run.output)
+    return Outcome(summary, net.model)
+
+
+def _summary(job, ctx, state, final: EvalResult | None, history: History, digests, identical) -> dict:
+    cfg = job.cfg
+    rate, first = median_rate(history)
+    return {
+        "val_accuracy": final.accuracy if final else None,
+        "base_lr": cfg.optim.base_lr,
+        "val_top5": final.top5 if final else None,
+        "val_top_k": final.k if final else None,
+        "val_loss": final.loss if final else None,
+        "val_images": final.count if final else 0,
+        "val_per_class_accuracy": dict(zip(job.classes, final.per_class_accuracy())) if final else None,
+        "val_confusion_matrix": final.confusion.tolist() if final else None,
+        "world_size": ctx.size,
+        "batch_size": state.batch_size,
+        "global_batch": state.global_batch,
+        "steps_per_epoch": job.plan(ctx.size, state).steps_per_epoch,
+        "epochs": cfg.run.epochs,
+        "image_size": job.image_size,
+        "model": job.spec.name,
+        # The first epoch includes graph tracing and pipeline warm-up; report the
+        # steady state when there is one, and the first epoch separately.
+        "images_per_sec": rate,
+        "images_per_sec_first_epoch": first,
+        "weights_identical_across_ranks": identical,
+        "weights_digest": digests[0],
+        "deterministic": cfg.run.deterministic,
+        "precision": job.precision,
+        "xla": cfg.compute.xla,
+        "horovod_environment": {k: os.environ.get(k) for k in sorted(_HOROVOD_TUNING)},
+        "resumed_from": history.resumed_from,
+        "world_sizes": history.world_sizes,
+        "elastic_resets": history.resets,
+        "checkpoint_seconds": round(history.checkpoint_seconds, 3),
+        **_input_stats(ctx, history),
+        **distributed.versions(),
+    }
+
+
+# The Horovod settings that shape its speed, as the workers saw them.
+_HOROVOD_TUNING = (
+    "HOROVOD_FUSION_THRESHOLD",
+    "HOROVOD_CYCLE_TIME",
+    "HOROVOD_AUTOTUNE",
+    "HOROVOD_AUTOTUNE_LOG",
+    "HOROVOD_TIMELINE",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "HOROVOD_GLOO_TIMEOUT_SECONDS",
+)
+
+
+def _input_stats(ctx: Context, history: History) -> dict:
+    stats = ctx.allgather_object(history.input_stats, name="input_stats")
+    # Per rank: seconds the input pipeline waited for S3 objects or shard
+    # blocks that were not fetched yet (an upper bound on the training stall
+    # they caused), objects fetched, and bytes read.
+    return {
+        "input_wait_seconds": [round(s["wait_seconds"], 3) if s else None for s in stats],
+        "input_objects": [s["objects"] if s else None for s in stats],
+        "input_bytes": [s["bytes"] if s else None for s in stats],
+    }
+
+
+def _weights_digest(model) -> str:
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _save_model_atomically(model, path: str) -> None:
+    folder = os.path.dirname(path)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".model-") as tmp:
+        tmp_path = os.path.join(tmp, os.path.basename(path))
+        model.save(tmp_path)
+        os.replace(tmp_path, path)

@@ -1,0 +1,219 @@
+"""The training loop of one rank: the steps of each epoch, in order.
+
+``Loop.run`` is re-entrant: everything it needs to go on is in the
+``TrainState`` and the variables of the ``Net``, so an elastic job that rolled
+back to a commit, or a run resumed from a checkpoint, calls it again and it
+continues where the state says: the rest of the current epoch (consumed
+images skipped), then whole epochs.
+
+Each step runs at the learning rate the schedule gives for the epoch's
+progress. What the ranks do together after an update (stop, checkpoint,
+commit) is in ``boundary``; the end of an epoch (metrics, BatchNorm sync,
+evaluation) in ``epoch_end``; rank 0 writes metrics.csv, TensorBoard and the
+curves (``writers``) after the epoch's checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hvd_train import distributed
+from hvd_train.classifier import Net
+from hvd_train.data.pipeline import input_errors, train_input
+from hvd_train.data.sharding import Segment
+from hvd_train.distributed import Context
+from hvd_train.log import get_logger
+from hvd_train.training import epoch_end
+from hvd_train.training.audit import SampleLog
+from hvd_train.training.boundary import Boundary
+from hvd_train.training.job import History, Job, Plan
+from hvd_train.training.preemption import StopRequests
+from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.training.state import TrainState
+from hvd_train.training.writers import Reporters
+
+log = get_logger("train")
+
+
+class Loop:
+    """Trains ``net`` from ``state`` to the last epoch (see the module docstring).
+
+    Args:
+        job: what to train on.
+        ctx: this rank's place in the job (updated in place by an elastic reset).
+        net: the model, optimizer and compiled step.
+        state: where the run stands; advanced in place.
+        stop: the signals received.
+        history: measurements so far.
+        commit: an elastic job's commit (save in memory, then check for new
+            or lost hosts); None otherwise.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        ctx: Context,
+        net: Net,
+        state: TrainState,
+        stop: StopRequests,
+        history: History,
+        commit=None,
+    ):
+        self.job = job
+        self.cfg = job.cfg
+        self.ctx = ctx
+        self.net = net
+        self.state = state
+        self.stop = stop
+        self.history = history
+        self.boundary = Boundary(job, ctx, net, state, stop, history, commit)
+        self.reader = None
+        self._wait_before = 0.0
+        self.reporters: Reporters | None = None
+        if self.cfg.run.sample_log:
+            net.audit = SampleLog(self.cfg.run.sample_log, state, ctx)
+
+    def run(self) -> None:
+        """Trains until every epoch is done.
+
+        Raises:
+            Preempted: on every rank, after an agreed stop and its checkpoint.
+            UserError: bad data met during training, or a checkpoint that cannot be written.
+        """
+        plan = self.configure()
+        self.history.world_sizes.append(self.ctx.size)
+        try:
+            while self.state.epoch < self.cfg.run.epochs:
+                if self.state.epoch_done:
+                    self._end_epoch(steps=0, seconds=0.0)
+                else:
+                    self._train(plan)
+        finally:
+            if self.reporters:
+                # curves.png shows the last epoch drawn, and its painter ends (an elastic reset
+                # makes new writers). After a stop the checkpoint is written already.
+                self.reporters.close()
+
+    def configure(self) -> Plan:
+        """Fits the state to the current workers: batch, learning rate, what is left of the epoch."""
+        ctx, state = self.ctx, self.state
+        plan = self.job.plan(ctx.size, state)
+        if (state.world_size, state.batch_size) != (plan.world_size, plan.batch_size):
+            before = state.world_size, state.batch_size
+            state.resize(self.job.layout(state.epoch), plan.world_size, plan.batch_size, plan.global_batch)
+            log.info(
+                "%d worker(s) x batch %d now (was %d x %d): the rest of epoch %d (%d images) is dealt anew",
+                plan.world_size,
+                plan.batch_size,
+                *before,
+                state.epoch + 1,
+                state.segment().pending_count,
+            )
+        state.global_batch = plan.global_batch
+        self.schedule = WarmupSchedule(
+            initial_lr=self.cfg.optim.base_lr,
+            peak_lr=plan.scaled_lr,
+            warmup_epochs=self.cfg.optim.warmup_epochs,
+            total_epochs=self.cfg.run.epochs,
+            decay=self.cfg.optim.lr_schedule,
+            drop_factor=self.cfg.optim.lr_drop_factor,
+            drop_period_epochs=self.cfg.optim.lr_drop_period,
+        )
+        self.net.set_rank(ctx.rank)
+        self.boundary.restart()
+        if ctx.is_root:
+            # Horovod: only rank 0 writes files and prints progress (rank 0 may be
+            # another process than before an elastic reset).
+            title = f"{self.job.spec.name}: {ctx.size} worker(s) x batch {plan.batch_size}"
+            self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard, title)
+        else:
+            self.reporters = None
+        last = self.history.metrics_of(state.epoch - 1)
+        ctx.on_root(lambda: self.reporters.truncate(state.epoch, last), name="reporters")
+        return plan
+
+    def _train(self, plan: Plan) -> None:
+        state, cfg = self.state, self.cfg
+        segments = [(state.segment(), state.segment_steps)]
+        segments += [
+            (Segment.whole(e, state.total, plan.world_size, plan.batch_size, state.accum, state.seed), 0)
+            for e in range(state.epoch + 1, cfg.run.epochs)
+        ]
+        data = train_input(
+            self.job.train,
+            segments,
+            rank=self.ctx.rank,
+            image_size=self.job.image_size,
+            augment=cfg.data.augment,
+            preprocess=self.job.spec.preprocess_input(),
+            seed=cfg.run.seed,
+            threads=distributed.cpu_threads(self.ctx, cfg.horovod.threads_per_rank),
+            s3=cfg.data.s3_options(),
+            alpha_background=cfg.data.alpha_background,
+        )
+        self.reader = data.reader
+        iterator = iter(data.dataset)
+        with input_errors(self.ctx.rank, data.reader):
+            for segment, first in data.segments:
+                steps, seconds = self._run_epoch_steps(segment, first, iterator)
+                self._end_epoch(steps, seconds)
+        if self.reader is not None:
+            self.history.input_stats = self.reader.stats()
+
+    def _run_epoch_steps(self, segment: Segment, first: int, iterator) -> tuple[int, float]:
+        """Runs the steps of ``segment`` from ``first`` on; returns the steps run and their seconds."""
+        state, boundary, reporters = self.state, self.boundary, self.reporters
+        if reporters:
+            reporters.progress.begin(state.epoch, segment.steps, first)
+        self._wait_before = self._waited()
+        seconds = 0.0
+        last_step = 0.0
+        for _ in range(first, segment.steps):
+            started = time.perf_counter()
+            self.net.set_learning_rate(self.schedule(state.epoch_progress))
+            self.net.set_flags(self.stop.requested, boundary.timed_checkpoint_due(), last_step)
+            logs, _, agreed = self.net.step(iterator)
+            last_step = time.perf_counter() - started
+            state.advance()
+            if self.history.resets and "seconds" not in self.history.resets[-1]:
+                self._training_again()
+            seconds += time.perf_counter() - started
+            if reporters:
+                reporters.progress.step(state.segment_steps, logs)
+            if state.segment_steps % state.accum == 0:
+                boundary.after_update(*np.asarray(agreed))
+        return segment.steps - first, seconds
+
+    def _waited(self) -> float:
+        return self.reader.stats()["wait_seconds"] if self.reader else 0.0
+
+    def _training_again(self) -> None:
+        reset = self.history.resets[-1]
+        reset["seconds"] = round(time.time() - reset.get("since", time.time()), 3)
+        log.info(
+            "elastic: training again on %d worker(s), %.1f s after the change; %d step(s) (%d images) redone",
+            self.ctx.size,
+            reset["seconds"],
+            reset.get("lost_steps", 0),
+            reset.get("lost_images", 0),
+        )
+
+    def _end_epoch(self, steps: int, seconds: float) -> None:
+        state, net = self.state, self.net
+        epoch = state.epoch
+        waited = self._waited() - self._wait_before if self.reader is not None else None
+        logs = epoch_end.close_epoch(
+            self.job, self.ctx, net, epoch, state.batch_size, self.history, steps, seconds, waited
+        )
+        if self.reporters:
+            if steps:
+                self.reporters.progress.end(steps, logs)
+            self.reporters.draw_soon(epoch, logs)
+        state.next_epoch()
+        net.reset_metrics()
+        # The checkpoint first: a full disk must not cost the epoch because a CSV row did not fit.
+        path = self.boundary.save_checkpoint()
+        self.ctx.on_root(lambda: self.reporters.epoch_end(epoch, logs, path), name=f"report.{epoch}")
+        self.boundary.commit_now()

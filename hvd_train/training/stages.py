@@ -1,0 +1,308 @@
+"""The stages that set a run up, in the order ``run`` calls them, the same on every rank.
+
+1. ``prepare_output``: rank 0 makes the output folder and writes ``run_config.yaml``.
+2. ``load_data``: rank 0 lists the images, every rank checks its share, all agree
+   (``training_sets``); the model spec and the precision are resolved once, into the ``Job``.
+3. ``resolve_base_lr``: ``--base-lr auto`` runs the range test on rank 0.
+4. ``build_net``: rank 0 loads the weights; Horovod's ``DistributedOptimizer``.
+5. ``start_state``: a fresh ``TrainState``, or rank 0 restores the latest intact
+   checkpoint; weights and optimizer state are broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+from hvd_train import compute, distributed, files
+from hvd_train.classifier import Net, use_step_seeded_dropout
+from hvd_train.compat import keras
+from hvd_train.config import DataConfig, TrainConfig
+from hvd_train.data.folder import split_per_class
+from hvd_train.data.packed import ShardSet
+from hvd_train.data.sources import Data, checked, open_data
+from hvd_train.distributed import Context
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+from hvd_train.models import build_model, get_spec, resolve_bn
+from hvd_train.training import checkpoints, lr_find
+from hvd_train.training.job import History, Job, fresh_state
+from hvd_train.training.state import TrainState
+
+log = get_logger("train")
+
+
+def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
+    """Rank 0 makes the output folder (or says why it cannot) and writes ``run_config.yaml``.
+
+    Checkpoints of an earlier run stay until training starts (``start_state``):
+    a mistyped ``--data`` with ``--no-resume`` must not cost them.
+    """
+
+    def prepare() -> None:
+        out = cfg.run.output
+        try:
+            os.makedirs(out, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-")
+            probe.close()
+        except OSError as e:
+            raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
+        with open(os.path.join(out, "run_config.yaml"), "w", encoding="utf-8") as f:
+            f.write(cfg.to_yaml())
+
+    ctx.on_root(prepare, name="prepare_output")
+
+
+def load_data(cfg: TrainConfig, ctx: Context) -> Job:
+    """The checked training and held-out images, the same on every rank."""
+    threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
+    train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
+    spec = get_spec(cfg.model.name)
+    # Horovod: one precision for all ranks (rank 0 looks at its GPU for "auto").
+    numerics = ctx.broadcast_object(
+        compute.resolve(cfg.compute.precision, cfg.horovod.grad_accum) if ctx.is_root else None, name="precision"
+    )
+    job = Job(cfg, train_set, val_set, cfg.data.image_size or spec.default_size, numerics, spec)
+    bn_mode, bn_momentum = resolve_bn(cfg.model)
+    log.info(
+        "%d classes; %d training images, %d held-out; %s at %dx%d (weights %s, BatchNorm %s%s, %s%s)",
+        len(train_set.classes),
+        len(train_set),
+        len(val_set) if val_set else 0,
+        spec.name,
+        job.image_size,
+        job.image_size,
+        cfg.model.weights,
+        bn_mode,
+        f", momentum {bn_momentum}" if bn_mode == "train" and bn_momentum else "",
+        numerics,
+        f", XLA {cfg.compute.xla}" if cfg.compute.xla != "off" else "",
+    )
+    if ctx.is_root:
+        files.write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
+    return job
+
+
+def resolve_base_lr(job: Job, ctx: Context) -> Job:
+    """``--base-lr auto``: rank 0 runs the learning-rate range test; every rank gets its suggestion.
+
+    A resumed run keeps the rate its first attempt found (``lr_find.json``),
+    so the schedule it resumes is the one its checkpoint was made with.
+    """
+    cfg = job.cfg
+    if cfg.optim.base_lr != "auto":
+        return job
+
+    def find() -> float:
+        out = cfg.run.output
+        if cfg.run.resume and checkpoints.latest(out) is not None:
+            saved = lr_find.saved_suggestion(out)
+            if saved:
+                log.info("--base-lr auto: %.4g, as found by this run's range test (%s)", saved, lr_find.RESULT)
+                return saved
+        log.info("--base-lr auto: the learning-rate range test runs on rank 0 first (up to %d steps)", lr_find.STEPS)
+        sweep = lr_find.run(job, threads=distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank))
+        lr_find.write(sweep, out)
+        if sweep.suggestion is None:
+            raise UserError(
+                f"--base-lr auto: the range test found no rate: from {lr_find.START:g} to {lr_find.END:g} the "
+                f"training loss neither fell nor rose, or still fell at the end ({sweep.stopped}; see "
+                f"{os.path.join(out, 'lr_find.png')}); check the data and labels, or pass --base-lr with a number."
+            )
+        log.info(
+            "--base-lr auto: %.4g per worker (range test: %d steps in %.0f s, %s; a tenth of %.3g)",
+            sweep.suggestion,
+            len(sweep.lrs),
+            sweep.seconds,
+            sweep.stopped,
+            sweep.suggestion * 10,
+        )
+        return sweep.suggestion
+
+    found = ctx.on_root(find, name="lr_find")
+    optim = dataclasses.replace(cfg.optim, base_lr=found)
+    return dataclasses.replace(job, cfg=dataclasses.replace(cfg, optim=optim))
+
+
+def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
+    """The model (rank 0 loads the weights), Horovod's optimizer and the compiled step.
+
+    Args:
+        collective: all ranks build together and agree on errors; False for a
+            worker joining an elastic job, which receives everything by
+            broadcast and must not start a collective of its own.
+    """
+    cfg = job.cfg
+    if cfg.run.deterministic:
+        keras.utils.set_random_seed(cfg.run.seed)
+    use_step_seeded_dropout()
+    compute.set_policy(job.precision)
+
+    def build():
+        # Rank 0 alone loads (maybe downloads) the weights; the others get them by
+        # broadcast, so a download failure must stop every rank, not just rank 0.
+        load = ctx.is_root and collective
+        return build_model(cfg.model, len(job.classes), job.image_size, load_weights=load)
+
+    base = ctx.agree(build, name="build_model") if collective else build()
+    return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision)
+
+
+def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
+    """A fresh state, or the one of the latest intact checkpoint; every rank gets rank 0's.
+
+    Returns:
+        The state and an empty history.
+    """
+    cfg = job.cfg
+    plan = job.plan(ctx.size)
+    log.info(
+        "%d worker(s) x batch %d x accumulation %d = global batch %d; %d steps/epoch; "
+        "lr %.4g -> %.4g over %g warmup epoch(s), then %s",
+        ctx.size,
+        plan.batch_size,
+        cfg.horovod.grad_accum,
+        plan.global_batch,
+        plan.steps_per_epoch,
+        cfg.optim.base_lr,
+        plan.scaled_lr,
+        cfg.optim.warmup_epochs,
+        cfg.optim.lr_schedule,
+    )
+
+    def restore():
+        out = cfg.run.output
+        if not cfg.run.resume:
+            removed = checkpoints.remove_all(out)
+            if removed:
+                log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
+            return None
+        found = checkpoints.latest(out, set_aside=True)
+        if found is None:
+            return None
+        changed = _check_same_data(job, found)
+        rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        return found.path, found.state.to_dict(), rows, changed, found.info.get("metrics") or {}
+
+    restored = ctx.on_root(restore, name="restore")
+    # Horovod: every rank starts from rank 0's weights and optimizer state.
+    distributed.broadcast_variables(net.variables, ctx)
+    if restored is None:
+        return fresh_state(job, plan), History()
+    path, values, rows, changed, metrics = restored
+    state = TrainState.from_dict(values)
+    # Each rank takes back its own BatchNorm statistics and metric sums, or
+    # their mean when the workers are not the same ones.
+    same_workers = rows.shape[0] == ctx.size == state.world_size
+    net.write_local(rows[ctx.rank] if same_workers else rows.mean(axis=0))
+    if changed:
+        # --allow-data-change: the positions of the interrupted epoch mean other files now.
+        state.restart_epoch(len(job.train))
+    log.info(
+        "resuming from %s: %d epoch(s) done, %d of %d images of epoch %d consumed, step %d",
+        path,
+        state.epoch,
+        state.samples,
+        state.total,
+        state.epoch + 1,
+        state.step,
+    )
+    if state.global_batch != plan.global_batch:
+        log.warning(
+            "the global batch was %d and is %d now; the learning rate follows the new one",
+            state.global_batch,
+            plan.global_batch,
+        )
+    history = History()
+    history.resumed_from = path
+    if metrics and state.epoch > 0:
+        history.resumed_metrics = (state.epoch - 1, metrics)
+    return state, history
+
+
+def _check_same_data(job: Job, found: checkpoints.Found) -> bool:
+    """Compares the image lists with the ones ``found`` was made with (rank 0).
+
+    Returns:
+        Whether the training images changed (resumed with ``--allow-data-change``).
+
+    Raises:
+        UserError: the images differ and ``--allow-data-change`` is not given.
+    """
+    saved, now = found.info.get("data"), job.data_identity()
+    if not saved:
+        log.warning(
+            "checkpoint %s holds no digest of its image list (written by an older hvd_train): "
+            "the images cannot be checked against it",
+            found.path,
+        )
+        return found.state.total != now["train_images"]
+    differ = [
+        f"{what}: {saved[key + '_images']} images, digest {saved[key]} then; "
+        f"{now[key + '_images']} images, digest {now[key]} now"
+        for key, what in (("train", "training images"), ("val", "held-out images"))
+        if saved.get(key) != now[key]
+    ]
+    if not differ:
+        return False
+    if not job.cfg.run.allow_data_change:
+        raise UserError(
+            f"the images differ from those checkpoint {found.path} was made with ({'; '.join(differ)}): resuming "
+            f"would map the rest of the run onto other files (and could hold out images already trained on). "
+            f"Give the same images (--data, --val-data, --val-split, --seed), pass --allow-data-change to resume "
+            f"anyway (the interrupted epoch starts over), or --no-resume to start over."
+        )
+    log.warning(
+        "--allow-data-change: the images differ from those of checkpoint %s (%s)%s",
+        found.path,
+        "; ".join(differ),
+        "; the interrupted epoch starts over" if saved.get("train") != now["train"] else "",
+    )
+    return saved.get("train") != now["train"]
+
+
+def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[Data, Data | None]:
+    """The training images and the held-out images (None when there are none).
+
+    Raises:
+        UserError: on every rank, for any problem with the data.
+    """
+    s3 = cfg.s3_options()
+
+    def listing():
+        train = open_data(cfg.train, "--data", s3)
+        if cfg.val:
+            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes)
+        if cfg.val_split > 0:
+            if isinstance(train, ShardSet):
+                raise UserError(
+                    f"--data {cfg.train} is a packed shard set, which --val-split cannot divide; "
+                    f"pack the held-out images separately (hvd-train pack --val-split) and pass --val-data, "
+                    f"or pass --val-split 0."
+                )
+            return split_per_class(train, cfg.val_split, seed)
+        return train, None
+
+    train, val = ctx.on_root(listing, name="list_data")
+    for data, flag in ((train, "--data"), (val, "--val-data")):
+        background = getattr(data, "alpha_background", "")
+        if background and background != cfg.alpha_background and ctx.is_root:
+            log.warning(
+                "%s %s was packed with transparent pixels composited over %s; --alpha-background %s "
+                "cannot change that: pack it again with --alpha-background %s, or pass --alpha-background %s",
+                flag,
+                data.url,
+                background,
+                cfg.alpha_background,
+                cfg.alpha_background,
+                background,
+            )
+    train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3)
+    if val is not None:
+        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3)
+        if len(val) == 0:
+            val = None
+    if val is None and ctx.is_root:
+        log.warning("no held-out images (--val-data not given, --val-split 0): accuracy is not measured")
+    return train, val
