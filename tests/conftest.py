@@ -269,3 +269,23 @@ def s3_server(tmp_path_factory):
     server = S3Server(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
+
+
+# --- the suite's time per file ------------------------------------------------------------------
+# Printed after every run (docs/development.md keeps the table), so a slow test file shows in review.
+
+_SECONDS_PER_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_PER_FILE[path] = _SECONDS_PER_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS_PER_FILE:
+        return
+    terminalreporter.section("time per file")
+    for path, seconds in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+    terminalreporter.write_line(f"{sum(_SECONDS_PER_FILE.values()):8.1f} s  in all")
