@@ -208,6 +208,41 @@ class S3Store(Store):
             raise self._error(e, "list", self.prefix, flag) from None
         return sorted(found, key=lambda item: canonical_key(item[0]))
 
+    def list_by_folder(self, flag: str, ticker=None) -> list[tuple[str, int]]:
+        """Like ``list``, with one listing stream per top-level folder, in parallel.
+
+        One ListObjectsV2 stream gives 1,000 keys a round trip: 1,300 round
+        trips in a row for ImageNet. The top level is listed first (its
+        folders as common prefixes), then every folder on a pool of
+        ``concurrency`` threads. ``ticker.count`` follows the keys listed.
+        """
+        paginator = self.client.get_paginator("list_objects_v2")
+        found, folders = [], []
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"):
+                folders += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+                found += [(o["Key"][len(self.prefix) :], int(o["Size"])) for o in page.get("Contents", [])]
+        except Exception as e:
+            raise self._error(e, "list", self.prefix, flag) from None
+
+        def one(folder: str) -> list[tuple[str, int]]:
+            keys = []
+            try:
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=folder):
+                    keys += [(o["Key"][len(self.prefix) :], int(o["Size"])) for o in page.get("Contents", [])]
+                    if ticker is not None:
+                        ticker.count += len(page.get("Contents", []))
+            except Exception as e:
+                raise self._error(e, "list", folder, flag) from None
+            return keys
+
+        if folders:
+            with ThreadPoolExecutor(min(len(folders), max(1, self.options.concurrency))) as pool:
+                for keys in pool.map(one, folders):
+                    found += keys
+        found = [(rel, size) for rel, size in found if rel and not rel.endswith("/")]
+        return sorted(found, key=lambda item: canonical_key(item[0]))
+
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         return read_url(f"s3://{self.bucket}/{self.key(rel)}", self.options, start, end)
 
