@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
         "SHA-256, record offsets). Unreadable images follow --on-bad-image and are listed in the manifest. "
         "Images with transparent pixels are stored composited over --alpha-background (as PNG). "
         "The manifest is written last: an interrupted pack leaves no manifest. With --val-split, the held-out "
-        "images go to DST/val and the rest to DST/train.",
+        "images go to DST/val and the rest to DST/train. Under horovodrun or mpirun each process packs a part "
+        "of the images and rank 0 writes the manifest.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("src", metavar="SRC", help="labelled image folder, local or s3://bucket/prefix/")
@@ -33,7 +34,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import compat  # noqa: F401  (TensorFlow set up quietly)
+    from hvd_train import distributed
     from hvd_train.data import packed, storage
     from hvd_train.errors import UserError
 
@@ -42,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if args.s3_concurrency < 1:
         raise UserError(f"--s3-concurrency {args.s3_concurrency} is invalid; use a whole number >= 1.")
     s3 = storage.S3Options(endpoint=args.s3_endpoint, concurrency=args.s3_concurrency)
+    # Under horovodrun/mpirun every rank packs a part; alone, one process packs all.
+    ctx = distributed.init()
     packed.pack(
         args.src,
         args.dst,
@@ -52,5 +55,6 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         val_split=args.val_split,
         alpha_background=args.alpha_background,
+        ctx=ctx,
     )
     return 0

@@ -30,8 +30,9 @@ from hvd_train.compat import tf
 from hvd_train.data import storage
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
+from hvd_train.distributed import Context
 from hvd_train.errors import UserError
-from hvd_train.log import get_logger
+from hvd_train.log import Ticker, get_logger
 
 MANIFEST = "manifest.json"
 FORMAT = "hvd_train.shards"
@@ -224,6 +225,7 @@ def pack(
     overwrite: bool = False,
     val_split: float = 0.0,
     alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
+    ctx: Context | None = None,
 ) -> dict[str, dict]:
     """Packs the labelled folder ``src`` into shards at ``dst``.
 
@@ -232,84 +234,132 @@ def pack(
     with transparent pixels are stored composited over
     ``alpha_background``, as PNG; all others byte for byte.
 
+    Under ``horovodrun``/``mpirun`` (``ctx`` of several ranks) rank 0 lists
+    ``src``; each rank packs one contiguous part of the seeded record order
+    into shards of its own; rank 0 writes the manifest last, listing every
+    rank's shards in rank order, so the records come in the same order as
+    from one process.
+
     Returns:
-        The manifests written, by destination.
+        The manifests written, by destination (on rank 0; empty on the others).
 
     Raises:
-        UserError: for a bad source, an existing manifest without
-            ``overwrite``, or (``on_bad_image == "fail"``) an unreadable image.
+        UserError: on every rank, for a bad source, an existing manifest
+            without ``overwrite``, or (``on_bad_image == "fail"``) an unreadable image.
     """
-    images = list_folder(src, "SRC", s3=s3)
-    if val_split > 0:
-        train, val = split_per_class(images, val_split, seed)
-        parts = [(storage.join(dst, "train"), train), (storage.join(dst, "val"), val)]
-    else:
-        parts = [(dst, images)]
-    outs = [storage.open_store(url, s3) for url, _ in parts]
-    for out in outs:
-        if out.exists(MANIFEST):
-            if not overwrite:
-                raise UserError(f"{out.full(MANIFEST)} exists already; pass --overwrite to replace that shard set.")
-            # Remove the old manifest first: from now on no manifest points at
-            # shards that are being replaced.
-            out.delete(MANIFEST)
+    ctx = ctx or Context()
+
+    def listing():
+        images = list_folder(src, "SRC", s3=s3)
+        if val_split > 0:
+            train, val = split_per_class(images, val_split, seed)
+            parts = [(storage.join(dst, "train"), train), (storage.join(dst, "val"), val)]
+        else:
+            parts = [(dst, images)]
+        for url, _ in parts:
+            out = storage.open_store(url, s3)
+            if out.exists(MANIFEST):
+                if not overwrite:
+                    raise UserError(f"{out.full(MANIFEST)} exists already; pass --overwrite to replace that shard set.")
+                # Remove the old manifest first: from now on no manifest points at
+                # shards that are being replaced.
+                out.delete(MANIFEST)
+        return parts
+
+    parts = ctx.on_root(listing, name="pack_list")
     source = storage.open_store(src, s3)
-    return {
-        out.url: _pack_set(part, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background)
-        for out, (_, part) in zip(outs, parts)
-    }
+    written = {}
+    for url, part in parts:
+        out = storage.open_store(url, s3)
+        share = ctx.agree(
+            lambda out=out, part=part: _pack_share(
+                part, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background, ctx
+            ),
+            name=f"pack.{url}",
+        )
+        shares = ctx.allgather_object(share, name=f"pack_shares.{url}")
+        manifest = ctx.on_root(
+            lambda out=out, part=part, shares=shares: _write_manifest(part, out, shares, seed, src, alpha_background),
+            name=f"pack_manifest.{url}",
+        )
+        if ctx.is_root:
+            written[out.url] = manifest
+    return written
 
 
-def _pack_set(images, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background) -> dict:
+def _pack_share(images, source, out, shard_size, on_bad_image, seed, s3, src, alpha_background, ctx) -> dict:
+    """Packs this rank's part of the seeded order of ``images`` into shards of its own."""
     root = source.url.rstrip("/") + "/"
     order = np.random.default_rng(seed).permutation(len(images))
+    mine = np.array_split(order, ctx.size)[ctx.rank]
     fetcher = storage.Fetcher(s3.concurrency if storage.is_s3(src) else 8)
 
     def read(i: int) -> bytes:
         return source.read(images.paths[i][len(root) :])
 
-    writer = _ShardWriter(out, shard_size)
+    # One process: shard-00000...; several: shard-<rank>-00000..., so no two ranks write one name.
+    writer = _ShardWriter(out, shard_size, f"{ctx.rank:03d}-" if ctx.size > 1 else "")
     bad: list[tuple[str, str]] = []
     counts = np.zeros(len(images.classes), dtype=np.int64)
     started = time.perf_counter()
     composited = 0
-    for i, contents in _checked(fetcher.stream(order.tolist(), read), images, bad, on_bad_image):
-        flat = flatten_alpha(contents, alpha_background)
-        if flat is not None:
-            contents, composited = flat, composited + 1
-        writer.add(example(contents, images.labels[i], images.paths[i][len(root) :]))
-        counts[images.labels[i]] += 1
-    writer.close()
-    if not writer.shards:
+    with Ticker(log, f"packing to {storage.redact_url(out.url)}", len(mine), "images") as ticker:
+        for i, contents in _checked(fetcher.stream(mine.tolist(), read), images, bad, on_bad_image):
+            flat = flatten_alpha(contents, alpha_background)
+            if flat is not None:
+                contents, composited = flat, composited + 1
+            label = int(images.labels[i])
+            writer.add(example(contents, label, images.paths[i][len(root) :]))
+            counts[label] += 1
+            ticker.count += 1
+        writer.close()
+    return {
+        "shards": writer.shards,
+        "bad": bad,
+        "counts": counts.tolist(),
+        "composited": composited,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _write_manifest(images, out, shares: list[dict], seed, src, alpha_background) -> dict:
+    """Rank 0, after every rank packed its share: stale shards removed, then the manifest, last."""
+    shards = [shard for share in shares for shard in share["shards"]]
+    if not shards:
         raise UserError(f"no readable images to pack for {out.url} (SRC {storage.redact_url(src)}).")
-    stale = {rel for rel, _ in out.list("DST") if rel.startswith("shard-")} - {s["file"] for s in writer.shards}
+    stale = {rel for rel, _ in out.list("DST") if rel.startswith("shard-")} - {s["file"] for s in shards}
     for rel in sorted(stale):
         out.delete(rel)
+    counts = np.sum([share["counts"] for share in shares], axis=0)
+    bad = sorted(item for share in shares for item in share["bad"])
+    composited = sum(share["composited"] for share in shares)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "classes": images.classes,
         "class_counts": counts.tolist(),
         "images": int(counts.sum()),
-        "bytes": sum(s["bytes"] for s in writer.shards),
+        "bytes": sum(s["bytes"] for s in shards),
         "seed": seed,
         "alpha_background": alpha_background,
         "composited": composited,
         "source": storage.redact_url(src),
         "skipped": [{"path": p, "reason": r} for p, r in bad],
-        "shards": writer.shards,
+        "shards": shards,
     }
     out.write(MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    seconds = time.perf_counter() - started
+    seconds = max(share["seconds"] for share in shares)
     log.info(
-        "packed %d images (%d classes) into %d shard(s), %.1f MB, at %s in %.1f s (%.0f images/s)%s%s",
+        "packed %d images (%d classes) into %d shard(s), %.1f MB, at %s in %.1f s "
+        "(%.0f images/s on %d process(es))%s%s",
         manifest["images"],
         len(images.classes),
-        len(writer.shards),
+        len(shards),
         manifest["bytes"] / 1e6,
         out.url,
         seconds,
         manifest["images"] / max(seconds, 1e-9),
+        len(shares),
         f"; skipped {len(bad)} unreadable image(s)" if bad else "",
         f"; {composited} with transparency composited over {alpha_background}" if composited else "",
     )
@@ -332,9 +382,10 @@ def _checked(stream, images: ImageSet, bad: list, policy: str):
 class _ShardWriter:
     """Collects framed records; writes a shard whenever it reaches the size."""
 
-    def __init__(self, store: storage.Store, shard_size: int):
+    def __init__(self, store: storage.Store, shard_size: int, name_part: str = ""):
         self.store = store
         self.shard_size = shard_size
+        self.name_part = name_part
         self.shards: list[dict] = []
         self._parts: list[bytes] = []
         self._offsets: list[int] = []
@@ -354,7 +405,7 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         data = b"".join(self._parts)
-        name = f"shard-{len(self.shards):05d}.tfrecord"
+        name = f"shard-{self.name_part}{len(self.shards):05d}.tfrecord"
         self.store.write(name, data)
         self.shards.append(
             {
