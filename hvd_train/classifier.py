@@ -55,10 +55,10 @@ class Classifier(keras.Model):
     fp16_allreduce: bool = False
 
     def train_step(self, data):
-        images, labels = data
+        images, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
         variables = self.trainable_variables
         if self.xla_jit:
-            grads, probs = self._compiled_gradients(images, labels)
+            grads, probs = self._compiled_gradients(images, labels, weights)
             # Horovod: the allreduce runs outside XLA (no XLA kernel for it).
             grads = distributed.allreduce_gradients(grads, fp16=self.fp16_allreduce)
             if is_loss_scaled(self.optimizer):
@@ -67,7 +67,7 @@ class Classifier(keras.Model):
         else:
             with tf.GradientTape() as tape:
                 probs = self(images, training=True)
-                loss = self.compute_loss(images, labels, probs)
+                loss = self.compute_loss(images, labels, probs, weights)
             # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients
             # (under a LossScaleOptimizer: scale the loss, allreduce, unscale).
             grads_and_vars = self.optimizer.compute_gradients(loss, variables, tape=tape)
@@ -79,14 +79,14 @@ class Classifier(keras.Model):
         # A LossScaleOptimizer skips the update (and halves its scale) when a gradient
         # is not finite: every rank sees the same allreduced gradients, so all skip.
         self.optimizer.apply_gradients(grads_and_vars)
-        return self.compute_metrics(images, labels, probs, None)
+        return self.compute_metrics(images, labels, probs, weights)
 
     @tf.function(jit_compile=True, autograph=False)
-    def _compiled_gradients(self, images, labels):
+    def _compiled_gradients(self, images, labels, weights=None):
         """This rank's gradients (scaled by the loss scale under mixed_float16) and predictions."""
         with tf.GradientTape() as tape:
             probs = self(images, training=True)
-            loss = self.compute_loss(images, labels, probs)
+            loss = self.compute_loss(images, labels, probs, weights)
             if is_loss_scaled(self.optimizer):
                 loss = self.optimizer.get_scaled_loss(loss)
         return tape.gradient(loss, self.trainable_variables), probs
@@ -171,7 +171,11 @@ class Net:
         for i, generator in enumerate(self._generators):
             # Dropout masks from (seed, rank, step, layer): the same after a resume.
             generator.reset_from_key_counter(key, tf.stack([step, tf.constant(i, tf.int64)]))
-        logs = self.model.train_step((images, labels))
+        # An image that could not be decoded came as a black stand-in with a negative
+        # id (``pipeline``): it weighs nothing, and the loss is still summed over the
+        # whole batch, so every other image counts as much as in any other step.
+        weights = tf.cast(ids >= 0, tf.float32)
+        logs = self.model.train_step((images, labels, weights))
         # Horovod: every rank's flags, summed in the same cycles as the gradients.
         agreed = distributed.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
         return logs, ids, agreed

@@ -39,6 +39,7 @@ HEAD_NORMS = ("auto", "layer", "none")
 LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam")
 BAD_IMAGE_POLICIES = ("skip", "fail")
+IMAGE_CHECKS = ("quick", "full", "none")  # data.sources
 S3_RETRY_MODES = ("standard", "adaptive")
 ELASTIC_BATCH = ("keep-worker-batch", "keep-global-batch")
 AUTOTUNE_LOG = "horovod_autotune.csv"
@@ -70,6 +71,11 @@ class DataConfig:
         augment: training augmentation: ``crop,flip``, ``crop``, ``flip``, ``none``.
         crop_fraction: central fraction kept by the evaluation center crop.
         on_bad_image: ``skip`` unreadable images (and list them) or ``fail``.
+        check_images: what is checked before the first step: ``quick`` (each
+            file's signature and ends; only suspects are decoded), ``full``
+            (every image decoded once, the result cached per file), or
+            ``none``. Whatever slips through is met in training, given no
+            weight and listed.
         alpha_background: what transparent pixels are composited over
             (``white``, ``black``, ``gray``) before anything else.
         s3_endpoint: URL of an S3-compatible store; empty: ``AWS_ENDPOINT_URL`` or AWS.
@@ -91,6 +97,12 @@ class DataConfig:
     augment: str = _opt("crop,flip", "--augment", "training augmentation", choices=AUGMENTATIONS)
     crop_fraction: float = _opt(0.875, "--crop-fraction", "central fraction kept by the evaluation crop")
     on_bad_image: str = _opt("skip", "--on-bad-image", "what to do with unreadable images", choices=BAD_IMAGE_POLICIES)
+    check_images: str = _opt(
+        "quick",
+        "--check-images",
+        "before the first step: quick (file signatures; suspects decoded), full (decode all, cached), none",
+        choices=IMAGE_CHECKS,
+    )
     alpha_background: str = _opt(
         "white",
         "--alpha-background",
@@ -292,6 +304,10 @@ class RunConfig:
         deterministic: TensorFlow op determinism: the same run gives
             bit-identical weights, also when interrupted and resumed.
         tensorboard: write TensorBoard logs under ``output/tensorboard``.
+        log_every: when the output is not a terminal, a progress line (step,
+            images/s, loss, ETA) every N steps (``200``) or every duration
+            (``30s``); empty: at epoch ends only. TensorBoard gets the same
+            numbers, as ``step_*`` scalars.
         log_all_ranks: every rank logs at INFO, not only rank 0.
         sample_log: folder where every rank appends the ids of the images of
             each step (JSON lines), to audit what was trained on. A step's
@@ -322,6 +338,9 @@ class RunConfig:
     )
     deterministic: bool = _opt(False, "--deterministic", "TensorFlow op determinism: bit-identical reruns and resumes")
     tensorboard: bool = _opt(True, "--tensorboard", "write TensorBoard logs")
+    log_every: str = _opt(
+        "30s", "--log-every", "progress line in a log file every N steps or every duration (empty: epoch ends only)"
+    )
     log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
     sample_log: str = _opt("", "--sample-log", "folder where each rank logs the image ids of every step (audits)")
 
@@ -415,6 +434,10 @@ class TrainConfig:
                 r.checkpoint_every,
                 "give a number of steps (500) or a duration (90s, 15m, 2h)",
             )
+        try:
+            parse_every(r.log_every)
+        except ValueError:
+            _require(False, "--log-every", r.log_every, "give a number of steps (200) or a duration (30s, 5m)")
         _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
         _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
         for flag, folder in (("--data", d.train), ("--val-data", d.val)):
@@ -594,7 +617,7 @@ def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str)
 
 
 def parse_every(text: str) -> tuple[int, float]:
-    """Reads ``--checkpoint-every``: ``(steps, 0)``, ``(0, seconds)``, or ``(0, 0)`` for none.
+    """Reads ``--checkpoint-every`` and ``--log-every``: ``(steps, 0)``, ``(0, seconds)``, or ``(0, 0)`` for none.
 
     ``500`` is steps; ``90s``, ``15m``, ``2h`` are durations; ``""`` is none.
 

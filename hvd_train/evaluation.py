@@ -9,6 +9,7 @@ not wait for each other.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,9 @@ class EvalResult:
         topk: images whose right class is among the ``k`` most probable.
         k: the ``k`` of ``topk``: 5, or the number of classes when fewer.
         confusion: ``confusion[true, predicted]`` image counts.
+        skipped: indices (into the held-out images) of images that could not
+            be decoded and were not scored.
+        seconds: how long this rank took to score its share.
     """
 
     count: int
@@ -38,6 +42,8 @@ class EvalResult:
     topk: int
     k: int
     confusion: np.ndarray
+    skipped: tuple[int, ...] = ()
+    seconds: float = 0.0
 
     @property
     def loss(self) -> float:
@@ -62,14 +68,18 @@ def _make_step(model, num_classes: int, k: int):
     def step(images, labels):
         probs = tf.cast(model(images, training=False), tf.float32)
         labels = tf.cast(labels, tf.int32)
+        # A negative label marks a stand-in for an image that could not be decoded: not scored.
+        scored = labels >= 0
+        weight = tf.cast(scored, tf.int64)
+        labels = tf.maximum(labels, 0)
         loss = tf.keras.losses.sparse_categorical_crossentropy(labels, probs)
         predicted = tf.argmax(probs, axis=1, output_type=tf.int32)
         hits_k = tf.math.in_top_k(labels, probs, k)
-        confusion = tf.math.confusion_matrix(labels, predicted, num_classes=num_classes, dtype=tf.int64)
+        confusion = tf.math.confusion_matrix(labels, predicted, num_classes=num_classes, weights=weight, dtype=tf.int64)
         return (
-            tf.reduce_sum(tf.cast(loss, tf.float64)),
-            tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64)),
-            tf.reduce_sum(tf.cast(hits_k, tf.int64)),
+            tf.reduce_sum(tf.where(scored, tf.cast(loss, tf.float64), 0.0)),
+            tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64) * weight),
+            tf.reduce_sum(tf.cast(hits_k, tf.int64) * weight),
             confusion,
         )
 
@@ -97,22 +107,31 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
     if step is None:
         step = cache[(num_classes, k)] = _make_step(model, num_classes, k)
     count, loss_sum, top1, topk = 0, 0.0, 0, 0
+    skipped: list[int] = []
     confusion = np.zeros((num_classes, num_classes), np.int64)
+    started = time.perf_counter()
     for images, labels in dataset:
         batch_loss, batch_top1, batch_topk, batch_conf = step(images, labels)
-        count += int(labels.shape[0])
+        values = labels.numpy()
+        stand_ins = values[values < 0]
+        skipped.extend((-1 - stand_ins).tolist())
+        count += int(values.size - stand_ins.size)
         loss_sum += float(batch_loss)
         top1 += int(batch_top1)
         topk += int(batch_topk)
         confusion += batch_conf.numpy()
-    local = np.concatenate([[count, loss_sum, top1, topk], confusion.ravel()]).astype(np.float64)
+    local = np.concatenate([[count, loss_sum, top1, topk, len(skipped)], confusion.ravel()]).astype(np.float64)
     # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
     total = ctx.allreduce_sum(local, name=name)
+    if total[4] > 0:  # every rank sees the same sum, so all take part in the gather or none
+        skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
     return EvalResult(
         count=int(round(total[0])),
         loss_sum=float(total[1]),
         top1=int(round(total[2])),
         topk=int(round(total[3])),
         k=k,
-        confusion=np.rint(total[4:]).astype(np.int64).reshape(num_classes, num_classes),
+        confusion=np.rint(total[5:]).astype(np.int64).reshape(num_classes, num_classes),
+        skipped=tuple(skipped),
+        seconds=time.perf_counter() - started,
     )

@@ -70,7 +70,7 @@ def _column(rows: Sequence[dict], key: str) -> np.ndarray:
 
 
 def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
-    """``curves.png``: loss, accuracy (training and held-out), learning rate and images/s per epoch.
+    """``curves.png``: loss, accuracy (training; held-out top-1 and top-5), learning rate and images/s per epoch.
 
     Args:
         rows: the rows of ``metrics.csv`` (strings, as ``csv.DictReader`` gives them).
@@ -82,7 +82,12 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
     axes = fig.subplots(2, 2)
     panels = (
         (axes[0, 0], "loss", (("loss", "training"), ("val_loss", "held-out")), False),
-        (axes[0, 1], "accuracy", (("accuracy", "training"), ("val_accuracy", "held-out")), False),
+        (
+            axes[0, 1],
+            "accuracy",
+            (("accuracy", "training top-1"), ("val_accuracy", "held-out top-1"), ("val_top5", "held-out top-5")),
+            False,
+        ),
         (axes[1, 0], "learning rate (end of epoch)", (("lr", "learning rate"),), True),
         (axes[1, 1], "images/s (all workers)", (("images_per_sec", "images/s"),), False),
     )
@@ -90,6 +95,8 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
         drawn = False
         for key, label in series:
             values = _column(rows, key)
+            if key == "val_top5" and np.all(values[np.isfinite(values)] == 1.0):
+                continue  # five classes or fewer: top-5 is always right, and says nothing
             if np.isfinite(values).any():
                 ax.plot(epochs, values, marker="o", markersize=3, label=label)
                 drawn = True
@@ -110,15 +117,62 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
     _save(fig, path)
 
 
+MANY_CLASSES = 100
+"""Above this many classes a confusion matrix is no picture: the most confused pairs and worst classes are."""
+
+
+def confusion_to_json(confusion: np.ndarray):
+    """The matrix as JSON: rows of counts, or above ``MANY_CLASSES`` classes only its non-zero cells.
+
+    A dense 1,000-class matrix is a million numbers (megabytes of JSON) for
+    at most as many non-zero cells as held-out images.
+    """
+    confusion = np.asarray(confusion, dtype=np.int64)
+    if confusion.shape[0] <= MANY_CLASSES:
+        return confusion.tolist()
+    t, p = np.nonzero(confusion)
+    return {"classes": int(confusion.shape[0]), "cells": np.stack([t, p, confusion[t, p]], axis=1).tolist()}
+
+
+def confusion_from_json(value) -> np.ndarray:
+    """The matrix ``confusion_to_json`` wrote (either form)."""
+    if isinstance(value, dict):
+        n = int(value["classes"])
+        matrix = np.zeros((n, n), np.int64)
+        for t, p, count in value["cells"]:
+            matrix[t, p] = count
+        return matrix
+    return np.asarray(value, dtype=np.int64)
+
+
+def most_confused(matrix: np.ndarray, classes: Sequence[str], top: int = 25) -> list[tuple[str, str, int, float]]:
+    """The ``top`` largest off-diagonal cells: ``(true class, predicted class, images, share of the true class)``."""
+    matrix = np.asarray(matrix, dtype=np.int64)
+    off = matrix.copy()
+    np.fill_diagonal(off, 0)
+    flat = np.argsort(off, axis=None, kind="stable")[::-1][:top]
+    totals = matrix.sum(axis=1)
+    pairs = []
+    for t, p in zip(*np.unravel_index(flat, off.shape)):
+        if off[t, p] > 0:
+            pairs.append((classes[t], classes[p], int(off[t, p]), float(off[t, p] / totals[t])))
+    return pairs
+
+
 def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str = "") -> None:
     """``confusion.png``: rows are true classes, columns predictions, colour the share of each row.
 
-    Readable from 2 to 100+ classes: the figure grows with the classes,
-    counts are written in the cells while they fit, long names are
-    shortened.
+    Readable from 2 to ``MANY_CLASSES`` classes: the figure grows with the
+    classes, counts are written in the cells while they fit, long names are
+    shortened. Above that (ImageNet's 1,000) the matrix would be a million
+    cells of a few pixels each, so the picture shows the most confused
+    pairs and the classes with the lowest accuracy instead.
     """
     matrix = np.asarray(matrix, dtype=np.int64)
     n = len(classes)
+    if n > MANY_CLASSES:
+        _confusion_of_many(matrix, classes, path, title)
+        return
     totals = matrix.sum(axis=1, keepdims=True)
     share = np.divide(matrix, totals, out=np.zeros(matrix.shape, dtype=float), where=totals > 0)
     cell = 0.42 if n <= 20 else 0.2  # inches per class
@@ -152,6 +206,38 @@ def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str 
     count = int(matrix.sum())
     heading = f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%})"
     ax.set_title(heading)
+    _save(fig, path, dpi=100)
+
+
+def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, title: str, top: int = 25) -> None:
+    names = [c if len(c) <= 28 else c[:27] + "…" for c in classes]
+    pairs = most_confused(matrix, names, top)
+    totals = matrix.sum(axis=1)
+    accuracy = np.divide(np.diag(matrix), totals, out=np.ones(len(classes)), where=totals > 0)
+    worst = [c for c in np.argsort(accuracy, kind="stable") if totals[c] > 0][:top]
+    fig = _figure(14, 0.3 * top + 2)
+    left, right = fig.subplots(1, 2)
+    labels = [f"{t} → {p}" for t, p, _, _ in pairs]
+    left.barh(range(len(pairs)), [share for *_, share in pairs], color="#c0504d")
+    left.set_yticks(range(len(pairs)), labels, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("share of the true class taken for the other")
+    left.set_title(f"the {len(pairs)} most confused pairs (true → predicted)")
+    for i, (_, _, count, share) in enumerate(pairs):
+        left.text(share, i, f" {count}", va="center", fontsize=7)
+    right.barh(range(len(worst)), accuracy[worst], color="#4f81bd")
+    right.set_yticks(range(len(worst)), [names[c] for c in worst], fontsize=8)
+    right.invert_yaxis()
+    right.set_xlim(0, 1)
+    right.set_xlabel("accuracy")
+    right.set_title(f"the {len(worst)} classes with the lowest accuracy")
+    for i, c in enumerate(worst):
+        right.text(accuracy[c], i, f" {int(matrix[c, c])}/{int(totals[c])}", va="center", fontsize=7)
+    correct, count = int(np.trace(matrix)), int(matrix.sum())
+    fig.suptitle(
+        f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%}), "
+        f"{len(classes)} classes"
+    )
     _save(fig, path, dpi=100)
 
 

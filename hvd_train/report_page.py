@@ -127,16 +127,30 @@ def per_class_rows(matrix: np.ndarray, classes: list[str]) -> list[list]:
     return sorted(rows, key=lambda r: (r[3] is None, r[3] if r[3] is not None else 0, r[0]))
 
 
+WORST_SHOWN = 50  # per-class rows shown when there are many classes
+
+
 def _confusion_section(title: str, matrix, classes: list[str], note: str) -> list[str]:
-    matrix = np.asarray(matrix, dtype=np.int64)
+    matrix = plots.confusion_from_json(matrix)
     picture = _png(lambda f: plots.confusion(matrix, classes, f, title))
     rows = per_class_rows(matrix, classes)
+    many = len(classes) > plots.MANY_CLASSES
+    heading = f"the {WORST_SHOWN} worst of {len(classes)} classes" if many else "worst first"
+    if many:
+        rows = rows[:WORST_SHOWN]
     poor = ["poor" if r[3] is not None and r[3] < 0.5 else "" for r in rows]
-    return [
+    out = [
         f'<img alt="confusion matrix, {html.escape(title)}" src="{picture}">',
-        f"<h3>Accuracy per class, worst first</h3><p class='note'>{html.escape(note)}</p>",
+        f"<h3>Accuracy per class, {heading}</h3><p class='note'>{html.escape(note)}</p>",
         _table(["class", "images", "right", "accuracy", "most often taken for (images)"], rows, (0, 4), poor),
     ]
+    if many:
+        pairs = [[t, p, n, share] for t, p, n, share in plots.most_confused(matrix, classes, WORST_SHOWN)]
+        out += [
+            f"<h3>The {len(pairs)} most confused pairs</h3>",
+            _table(["true class", "taken for", "images", "share of the true class"], pairs, (0, 1)),
+        ]
+    return out
 
 
 def render(run: dict) -> str:
@@ -157,7 +171,7 @@ def render(run: dict) -> str:
 
     body.append("<h2>Summary</h2>")
     rows = [
-        ["held-out accuracy", summary.get("val_accuracy")],
+        ["held-out accuracy (top-1)", summary.get("val_accuracy")],
         [f"held-out top-{summary.get('val_top_k') or 5}", summary.get("val_top5")],
         ["held-out loss", summary.get("val_loss")],
         ["held-out images", summary.get("val_images")],

@@ -153,6 +153,21 @@ def write_images(root: Path, counts: dict[str, int], size: int = 32, seed: int =
 
 
 # Options of a training run that takes seconds on a CPU.
+def png_with_a_corrupt_middle(path, seed=0):
+    """A PNG that starts and ends as one (signature, IEND) but whose pixel data is garbage."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    start = data.index(b"IDAT") + 8
+    data[start : start + 40] = b"\x00" * 40
+    path.write_bytes(bytes(data))
+    return path
+
+
 TINY = [
     "--model",
     "MobileNetV2",

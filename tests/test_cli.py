@@ -2,20 +2,22 @@
 
 import csv
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
 from PIL import Image
 
-from conftest import HVD_TRAIN, TINY, cli, output_of, read_json, run, write_images
+from conftest import HVD_TRAIN, TINY, cli, output_of, png_with_a_corrupt_middle, read_json, run, write_images
 
 
 @pytest.fixture(scope="module")
 def trained_run(demo_small, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    proc = cli(
-        ["train", "--data", demo_small, "--output", out, *TINY, "--epochs", "2", "--val-split", "0.2", "--tensorboard"]
-    )
+    program = [*HVD_TRAIN, "train", "--data", demo_small, "--output", out, *TINY, "--epochs", "2", "--val-split", "0.2"]
+    # Every phase before the first step says how far it got (here every 0.2 s instead of 5).
+    proc = run([*program, "--tensorboard", "--log-every", "3"], HVD_TRAIN_TICK_SECONDS="0.2")
     assert proc.returncode == 0, output_of(proc)
     return out, proc
 
@@ -47,8 +49,22 @@ def test_outputs_of_a_run(trained_run, demo_small):
     assert config["data"]["train"] == str(demo_small) and config["run"]["epochs"] == 2
     assert (out / "model.keras").stat().st_size > 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0001", "epoch-0002"]
-    assert any((out / "tensorboard").rglob("events.out.tfevents.*"))
     assert "held-out accuracy" in proc.stderr
+    assert summary["val_seconds"] > 0
+    assert "first step: building the training graph, filling the input pipeline: still at it after" in proc.stderr
+    # Progress every 3 steps, in the log and in TensorBoard alike.
+    n = int(next(line for line in proc.stdout.splitlines() if re.match(r"\d+/\d+ - ", line)).split("/")[0])
+    every = [k for k in range(3, n, 3)]
+    steps = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps == [f"{k}/{n}" for k in every] * 2, proc.stdout
+    from hvd_train.compat import tf
+
+    tags = {}
+    for events in (out / "tensorboard" / "train").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(events)):
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(event.step)
+    assert tags["step_loss"] == tags["step_images_per_sec"] == every + [n + k for k in every]
     assert sum(map(sum, summary["val_confusion_matrix"])) == 25
     assert list(summary["val_per_class_accuracy"]) == classes
     for name, size in (("curves.png", (1100, 700)), ("confusion.png", None)):
@@ -184,11 +200,37 @@ def test_bad_images_are_skipped_and_listed(tmp_path):
     (data / "a" / "zero.png").write_bytes(b"")
     (data / "b" / "text.jpg").write_text("hello")
     Image.new("CMYK", (20, 20), (10, 200, 30, 0)).save(data / "b" / "cmyk.jpg")
-    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--epochs", "1", "--val-split", "0"])
+    png_with_a_corrupt_middle(data / "a" / "middle.png")  # passes the quick check; met in training
+    out = tmp_path / "o"
+    proc = cli(
+        ["train", "--data", data, "--output", out, *TINY, "--epochs", "1", "--val-split", "0", "--log-every", "1"]
+    )
     assert proc.returncode == 0, output_of(proc)
     assert "skipping 2 image(s)" in proc.stderr
     assert "zero.png: empty file" in proc.stderr and "text.jpg: Unknown image file format" in proc.stderr
     assert "cmyk.jpg" not in proc.stderr
+    assert "skipped 1 image(s) met during training that cannot be decoded (given no weight)" in proc.stderr
+    skipped = {Path(s["path"]).name: s for s in read_json(out / "summary.json")["skipped_images"]}
+    assert {n: s["found"] for n, s in skipped.items()} == {
+        "zero.png": "check",
+        "text.jpg": "check",
+        "middle.png": "training",
+    }
+    assert "CRC" in skipped["middle.png"]["reason"] or "PNG" in skipped["middle.png"]["reason"]
+    # In a log file (not a terminal), a progress line per --log-every: step, speed, loss, ETA.
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps and all(
+        re.match(r"step \d+/\d+ - [\d.]+ images/s - loss: [\d.]+ - accuracy: [\d.]+ - ETA \d", s) for s in steps
+    )
+
+
+def test_an_image_met_broken_in_training_with_fail_policy_stops_with_its_name(tmp_path):
+    data = write_images(tmp_path / "d", {"a": 4, "b": 4})
+    png_with_a_corrupt_middle(data / "b" / "middle.png")
+    proc = cli(
+        ["train", "--data", data, "--output", tmp_path / "o", *TINY, "--val-split", "0", "--on-bad-image", "fail"]
+    )
+    assert_one_line_error(proc, "middle.png", "met during training", "--on-bad-image skip")
 
 
 def test_weights_that_do_not_fit(tmp_path):

@@ -10,7 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import HVD_TRAIN, TINY, cli, kill_group, launch, launcher_command, output_of, read_json, start
+from conftest import (
+    HVD_TRAIN,
+    TINY,
+    cli,
+    kill_group,
+    launch,
+    launcher_command,
+    output_of,
+    png_with_a_corrupt_middle,
+    read_json,
+    start,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -168,6 +179,33 @@ def test_bad_image_with_fail_policy_ends_every_rank(tmp_path, demo_small):
     assert len(errors) == 1 and "truncated.png" in errors[0], output_of(proc)
 
 
+def test_images_that_cannot_be_decoded_never_stop_a_rank(tmp_path, demo_small):
+    """With nothing checked before training, each rank meets broken images in its share; none fails or
+    falls behind: they are trained on with no weight, not scored, and listed the same for all."""
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    whole = next((data / "dots").rglob("*.png"))
+    (data / "dots" / "truncated.png").write_bytes(whole.read_bytes()[:100])
+    (data / "checkerboard" / "empty.jpg").write_bytes(b"")
+    png_with_a_corrupt_middle(data / "checkerboard" / "middle.png")
+    out = tmp_path / "o"
+    program = [*HVD_TRAIN, "train", "--data", data, "--output", out, *TINY, "--epochs", "2", "--check-images", "none"]
+    proc = launch("horovodrun-gloo", 2, program, timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    summary = read_json(out / "summary.json")
+    assert summary["weights_identical_across_ranks"] is True
+    skipped = {Path(s["path"]).name: s["found"] for s in summary["skipped_images"]}
+    assert set(skipped) == {"truncated.png", "empty.jpg", "middle.png"}
+    assert set(skipped.values()) <= {"training", "evaluation"}
+    # Exact evaluation still: every held-out image is scored once, or listed.
+    from hvd_train.data.folder import list_folder, split_per_class
+
+    _, val = split_per_class(list_folder(str(data)), 0.1, 42)  # the defaults: --val-split 0.1 --seed 42
+    in_val = {Path(p).name for p in val.paths} & set(skipped)
+    assert {n for n, found in skipped.items() if found == "evaluation"} == in_val
+    assert summary["val_images"] == len(val) - len(in_val)
+
+
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
 def test_image_deleted_during_training_ends_the_job(launcher, demo_small, tmp_path):
     data = tmp_path / "data"
@@ -196,3 +234,32 @@ def output_of_popen(proc):
     kill_group(proc)
     stdout, stderr = proc.communicate()
     return f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
+def test_pack_under_horovodrun_writes_the_records_of_one_process_in_the_same_order(tmp_path, demo_small):
+    """Each rank packs a part of the seeded order into shards of its own; rank 0's manifest lists them in rank
+    order, so a reader sees the records as one process would have written them."""
+    import json
+
+    import tensorflow as tf
+
+    def records(folder):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        names = []
+        for shard in manifest["shards"]:
+            for record in tf.data.TFRecordDataset(str(folder / shard["file"])).as_numpy_iterator():
+                names.append(tf.train.Example.FromString(record).features.feature["image/filename"].bytes_list.value[0])
+        return manifest, names
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    alone = cli(["pack", demo_small, one, "--shard-size", "64KB", "--seed", "7"])
+    assert alone.returncode == 0, output_of(alone)
+    proc = launch("horovodrun-gloo", 2, [*HVD_TRAIN, "pack", demo_small, two, "--shard-size", "64KB", "--seed", "7"])
+    assert proc.returncode == 0, output_of(proc)
+    assert "on 2 process(es)" in proc.stdout + proc.stderr
+    manifest_one, names_one = records(one)
+    manifest_two, names_two = records(two)
+    assert names_two == names_one and len(names_one) == manifest_one["images"] > 0
+    assert manifest_two["class_counts"] == manifest_one["class_counts"]
+    writers = {shard["file"].split("-")[1] for shard in manifest_two["shards"]}
+    assert writers == {"000", "001"}, "both ranks wrote shards"

@@ -105,3 +105,34 @@ def test_report_needs_a_run_folder(tmp_path):
         report_page.write(str(tmp_path))
     with pytest.raises(UserError, match="does not exist"):
         report_page.write(str(tmp_path / "nope"))
+
+
+def test_a_thousand_classes_give_the_most_confused_pairs_and_the_worst_classes(tmp_path):
+    n = 1000
+    rng = np.random.default_rng(0)
+    matrix = np.diag(rng.integers(30, 50, n))
+    # Class 7 is mostly taken for class 8; class 3 half for class 900.
+    matrix[7, 7], matrix[7, 8] = 5, 40
+    matrix[3, 3], matrix[3, 900] = 20, 20
+    classes = [f"n{c:08d}" for c in range(n)]
+    pairs = plots.most_confused(matrix, classes, 2)
+    assert pairs == [(classes[7], classes[8], 40, 40 / 45), (classes[3], classes[900], 20, 0.5)]
+
+    # summary.json holds only the non-zero cells, and reads back whole.
+    stored = json.loads(json.dumps(plots.confusion_to_json(matrix)))
+    assert stored["classes"] == n and len(stored["cells"]) == n + 2
+    assert np.array_equal(plots.confusion_from_json(stored), matrix)
+    assert plots.confusion_to_json(matrix[:3, :3]) == matrix[:3, :3].tolist()  # few classes: rows, as before
+
+    plots.confusion(matrix, classes, str(tmp_path / "confusion.png"), "held-out")
+    with Image.open(tmp_path / "confusion.png") as im:
+        assert max(im.size) < 2000, "a summary picture, not a million cells"
+
+    run = _run_folder(tmp_path)
+    (run / "labels.json").write_text(json.dumps(classes))
+    summary = {"val_accuracy": 0.9, "val_top5": 0.98, "val_images": int(matrix.sum()), "val_confusion_matrix": stored}
+    (run / "summary.json").write_text(json.dumps(summary))
+    page = open(report_page.write(str(run))).read()
+    assert "the 50 worst of 1000 classes" in page and "most confused pairs" in page
+    assert page.count("<tr") < 150 and len(page) < 1_000_000
+    assert page.index(classes[7]) < page.index(classes[3]), "worst class first"

@@ -30,9 +30,11 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed, plots
+    from hvd_train.data.images import why_undecodable
     from hvd_train.data.pipeline import eval_dataset, input_errors
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
+    from hvd_train.errors import UserError
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
@@ -54,8 +56,20 @@ def run(args: argparse.Namespace) -> int:
     )
     with input_errors(ctx.rank, held_out.reader, during="evaluation"):
         result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
+    if result.skipped and args.on_bad_image == "fail":
+        first = images.paths[result.skipped[0]]
+        raise UserError(
+            f"cannot decode image {first} ({len(result.skipped)} in all), met during evaluation; "
+            f"fix or remove it, or pass --on-bad-image skip.",
+            agreed=True,
+        )
     if not ctx.is_root:
         return 0
+    met = [images.paths[i] for i in result.skipped]
+    skipped = [{"path": p, "reason": r, "found": "check"} for p, r in getattr(images, "skipped", ())]
+    skipped += [{"path": p, "reason": r, "found": "evaluation"} for p, r in zip(met, why_undecodable(met, s3))]
+    for item in skipped[len(skipped) - len(met) :]:
+        get_logger().warning("skipped %s (cannot be decoded, not scored): %s", item["path"], item["reason"])
     per_class = result.per_class_accuracy()
     report = {
         "data": args.data,
@@ -66,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
         "loss": result.loss,
         "classes": trained.classes,
         "per_class_accuracy": dict(zip(trained.classes, per_class)),
-        "confusion_matrix": result.confusion.tolist(),
+        "confusion_matrix": plots.confusion_to_json(result.confusion),
         "world_size": ctx.size,
+        "seconds": round(result.seconds, 3),
+        "skipped_images": skipped,
     }
     path = args.report or os.path.join(args.model_dir, "evaluation.json")
     files.write_json(path, report)

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
     ctx = distributed.init()
     files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
-    readable = checked(ImageSet(files, [0] * len(files), ["unlabelled"]), "PATH", args.on_bad_image, ctx)
+    # Every image decoded before predicting: a few files, and each must get an answer or a reason.
+    images = ImageSet(files, [0] * len(files), ["unlabelled"])
+    readable = checked(images, "PATH", args.on_bad_image, ctx, check="full")
     mine = readable.paths[ctx.rank :: ctx.size]
     rows = []
     if mine:

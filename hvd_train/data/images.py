@@ -186,13 +186,14 @@ def decode_window(
     return tf.cond(tf.io.is_jpeg(contents), jpeg, whole)
 
 
-def find_bad_images(paths: list[str], threads: int = 0, s3=None) -> list[tuple[str, str]]:
+def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) -> list[tuple[str, str]]:
     """Decodes every image once and returns the ones that fail, with the reason.
 
     Args:
         paths: image files (or ``s3://`` URLs) to check.
         threads: decoding threads (0: TensorFlow's choice).
         s3: ``storage.S3Options`` for ``s3://`` URLs.
+        ticker: a ``log.Ticker`` whose count follows the images checked.
 
     Returns:
         ``(path, reason)`` for each unreadable image, in input order.
@@ -206,7 +207,13 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None) -> list[tuple[s
         options = s3 or storage.S3Options()
         fetcher = storage.Fetcher(options.concurrency)
         stream = fetcher.stream(range(len(paths)), lambda i: storage.read_url(paths[i], options))
-        return [(paths[i], reason) for i, _, reason in sort_out(stream) if reason is not None]
+        bad = []
+        for i, _, reason in sort_out(stream):
+            if reason is not None:
+                bad.append((paths[i], reason))
+            if ticker is not None:
+                ticker.count = i + 1
+        return bad
 
     def probe(path):
         image = decode(tf.io.read_file(path))
@@ -218,8 +225,27 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None) -> list[tuple[s
         options = tf.data.Options()
         options.threading.private_threadpool_size = threads
         ds = ds.with_options(options)
-    good = {p.decode() for p, shape in ds.as_numpy_iterator() if shape[0] > 0 and shape[1] > 0}
+    good = set()
+    for p, shape in ds.as_numpy_iterator():
+        if shape[0] > 0 and shape[1] > 0:
+            good.add(p.decode("utf-8", "surrogateescape"))
+        if ticker is not None:
+            ticker.count += 1
     return [(p, _reason(p)) for p in paths if p not in good]
+
+
+def why_undecodable(paths: list[str], s3=None) -> list[str]:
+    """Why each of a few images (files or ``s3://`` URLs) cannot be decoded, in a few words."""
+    reasons = []
+    for path in paths:
+        if storage.is_s3(path):
+            try:
+                reasons.append(reason_for(tf.constant(storage.read_url(path, s3 or storage.S3Options()))))
+            except UserError as e:
+                reasons.append(str(e))
+        else:
+            reasons.append(_reason(path))
+    return reasons
 
 
 def _reason(path: str) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 from hvd_train.compat import tf
 from hvd_train.data import packed, storage
 from hvd_train.data.blocks import Block, ShardLayout, eval_blocks, stream_records
-from hvd_train.data.folder import ImageSet
+from hvd_train.data.folder import ImageSet, PathList
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sharding import Segment, Strided, epoch_order
@@ -107,13 +107,51 @@ def train_input(
         def load(index, epoch, contents):
             return augmenter(contents, epoch * n + index), labels_t[index], index
 
+        def stand_in(index, epoch, contents):
+            return _black(image_size), labels_t[index], -1 - index
+
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
-    ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE)
+    if isinstance(data, ShardSet):
+        ds = ds.map(load, num_parallel_calls=tf.data.AUTOTUNE)  # records were decoded when packed
+    else:
+        ds = _decoded_or_stand_in(ds, load, stand_in)
     ds = ds.batch(batch, drop_remainder=True)
     # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
     ds = ds.map(lambda images, labels, ids: (preprocess(images), labels, ids), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     return TrainInput(_with_threads(ds, threads), segments, reader)
+
+
+def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset:
+    """``ds.map(load)``, where an element whose image cannot be decoded becomes ``stand_in(element)``.
+
+    An image that passed the start-up check can still fail to decode (a
+    corrupt middle that ``--check-images quick`` does not read, or any
+    image under ``none``). Under Horovod a rank may neither drop it (it
+    would run a step fewer, and the others would wait for it forever) nor
+    fail on it (every rank would stop). So it is replaced, in its place in
+    the order, by a stand-in that says what it is: a black image whose id
+    (training) or label (evaluation) is ``-1 - index``. Training gives it
+    no weight and evaluation does not count it; both list it. Reading
+    errors (a file gone, S3 down) are not caught here: they stop the run
+    as before.
+
+    Each element goes through a one-element dataset that ignores its error,
+    followed by the stand-in: the first of the two is kept. Interleaving
+    those in order runs them in parallel like ``map`` does.
+    """
+
+    def one(*element):
+        decoded = tf.data.Dataset.from_tensors(element).map(load).ignore_errors()
+        return decoded.concatenate(tf.data.Dataset.from_tensors(element).map(stand_in)).take(1)
+
+    return ds.interleave(
+        one, cycle_length=tf.data.AUTOTUNE, block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    )
+
+
+def _black(image_size: int) -> tf.Tensor:
+    return tf.zeros([image_size, image_size, 3], tf.float32)
 
 
 def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
@@ -142,13 +180,30 @@ def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
 
         signature = (tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
         return reader, reader.dataset(stream, signature)
-    paths_t = tf.constant(data.paths)
+    path_of = _path_lookup(data.paths)
     ds = tf.data.Dataset.from_generator(
         ids_per_segment, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.int64))
     )
     ds = ds.flat_map(lambda ids, epoch: tf.data.Dataset.from_tensor_slices(ids).map(lambda i: (i, epoch)))
-    ds = ds.map(lambda i, e: (i, e, tf.io.read_file(paths_t[i])), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.map(lambda i, e: (i, e, tf.io.read_file(path_of(i))), num_parallel_calls=tf.data.AUTOTUNE)
     return None, ds
+
+
+def _path_lookup(paths: PathList):
+    """``f(i)``: path ``i`` as a string tensor, cut from the list's one buffer.
+
+    A tensor of a million separate strings would cost ~100 MB per rank; the
+    buffer costs what the relative paths do.
+    """
+    blob = tf.constant(paths.blob)
+    starts = tf.constant(paths.starts())
+    lengths = tf.constant(paths.ends - paths.starts())
+    prefix = tf.constant(paths.prefix.encode("utf-8", "surrogateescape"))
+
+    def path_of(i):
+        return tf.strings.join([prefix, tf.strings.substr(blob, starts[i], lengths[i])])
+
+    return path_of
 
 
 def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: StreamReader) -> tf.data.Dataset:
@@ -352,7 +407,11 @@ def eval_dataset(
                 (tf.range(len(mine_paths), dtype=tf.int64), tf.constant(mine_paths, dtype=tf.string))
             )
             ds = ds.map(lambda i, p: (i, tf.io.read_file(p)), num_parallel_calls=tf.data.AUTOTUNE)
-        ds = ds.map(lambda i, contents: (center(contents), labels_t[i]), num_parallel_calls=tf.data.AUTOTUNE)
+
+        def stand_in(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
+            return _black(image_size), tf.cast(-1 - (rank + i * size), tf.int32)
+
+        ds = _decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_in)
     ds = ds.batch(batch_size).map(lambda images, labels: (preprocess(images), labels))
     return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 

@@ -10,14 +10,17 @@ agree.
 
 from __future__ import annotations
 
-from hvd_train.data import packed
+import numpy as np
+
+from hvd_train.data import packed, storage
+from hvd_train.data.checks import CheckCache, stamps, suspects
 from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.storage import S3Options
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
-from hvd_train.log import get_logger
+from hvd_train.log import Ticker, get_logger
 
 log = get_logger("data")
 
@@ -33,33 +36,56 @@ def open_data(url: str, flag: str, s3: S3Options, classes: list[str] | None = No
 
 
 def evaluation_set(
-    path: str, classes: list[str], flag: str, policy: str, ctx: Context, threads: int = 0, s3: S3Options | None = None
+    path: str,
+    classes: list[str],
+    flag: str,
+    policy: str,
+    ctx: Context,
+    threads: int = 0,
+    s3: S3Options | None = None,
+    check: str = "quick",
 ) -> Data:
     """Held-out images of ``path``, labelled with the trained ``classes``."""
     s3 = s3 or S3Options()
     images = ctx.on_root(lambda: open_data(path, flag, s3, classes=classes), name="list_eval")
-    return checked(images, flag, policy, ctx, threads, s3)
+    return checked(images, flag, policy, ctx, threads, s3, check)
 
 
-def checked(images: Data, flag: str, policy: str, ctx: Context, threads: int = 0, s3: S3Options | None = None) -> Data:
-    """``images`` without the ones that cannot be decoded, the same on every rank.
+def checked(
+    images: Data,
+    flag: str,
+    policy: str,
+    ctx: Context,
+    threads: int = 0,
+    s3: S3Options | None = None,
+    check: str = "quick",
+) -> Data:
+    """``images`` without the ones found unreadable by ``check`` (see ``checks``), the same on every rank.
 
-    Each rank decodes every ``size``-th image; the lists of failures are
-    gathered so all ranks skip (or fail on) the same images. Shard sets were
-    checked when they were packed.
+    Each rank checks every ``size``-th image; the lists of failures are
+    gathered so all ranks skip (or fail on) the same images, which the
+    result keeps as ``skipped``. Shard sets were checked when they were
+    packed.
     """
-    if isinstance(images, ShardSet):
+    if isinstance(images, ShardSet) or check == "none" or len(images) == 0:
         return images
-    mine = images.paths[ctx.rank :: ctx.size]
-    mine_bad = ctx.agree(lambda: find_bad_images(mine, threads, s3), name=f"check{flag}")
-    bad = sorted(item for part in ctx.allgather_object(mine_bad, name=f"bad{flag}") for item in part)
+    remote = storage.is_s3(images.paths[0])
+    if check == "full" and not remote and images.prefix:  # a listed local folder: cached verdicts
+        bad = _full_check(images, flag, ctx, threads)
+    else:
+        mine = images.paths[ctx.rank :: ctx.size]
+        if check == "quick":
+            # S3: a request per object is no quick check; training meets what is broken.
+            mine = [] if remote else suspects(mine, flag)
+        mine_bad = ctx.agree(lambda: find_bad_images(mine, threads, s3), name=f"check{flag}")
+        bad = sorted(item for part in ctx.allgather_object(mine_bad, name=f"bad{flag}") for item in part)
     try:
         report_bad_images(bad, policy, flag, log if ctx.is_root else None)
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
     if not bad:
         return images
-    kept = images.without({p for p, _ in bad})
+    kept = images.without(bad)
     empty = [c for c, n in zip(kept.classes, kept.counts()) if n == 0]
     if empty and flag == "--data":
         raise UserError(
@@ -68,3 +94,53 @@ def checked(images: Data, flag: str, policy: str, ctx: Context, threads: int = 0
             agreed=True,
         )
     return kept
+
+
+def _full_check(images: ImageSet, flag: str, ctx: Context, threads: int) -> list[tuple[str, str]]:
+    """Every image decoded, except those whose verdict is cached for the same size and mtime.
+
+    Rank 0 looks the files up in its cache; the ranks decode a share each of
+    the rest; rank 0 writes the new verdicts back.
+    """
+    cache = CheckCache(images.prefix)
+    relatives = list(images.paths.relatives())
+    looked_up: dict = {}
+
+    def lookup():
+        known = looked_up["known"] = cache.load()
+        found = looked_up["stamps"] = stamps(list(images.paths), flag)
+        todo, bad = [], []
+        for i, (rel, stamp) in enumerate(zip(relatives, found)):
+            entry = known.get(rel)
+            if stamp is not None and entry is not None and entry[:2] == stamp:
+                if entry[2] is not None:
+                    bad.append((images.paths[i], entry[2]))
+            else:
+                todo.append(i)
+        if len(todo) < len(relatives):
+            log.info(
+                "checking %s (full): %d of %d images known from %s",
+                flag,
+                len(relatives) - len(todo),
+                len(relatives),
+                cache.path,
+            )
+        return np.asarray(todo, np.int64), bad
+
+    todo, cached_bad = ctx.on_root(lookup, name=f"check_cache{flag}")
+    mine = [images.paths[i] for i in todo[ctx.rank :: ctx.size].tolist()]
+    with Ticker(log, f"checking {flag} (full): decoding", len(mine), "images") as ticker:
+        mine_bad = ctx.agree(lambda: find_bad_images(mine, threads, ticker=ticker), name=f"check{flag}")
+    found = [item for part in ctx.allgather_object(mine_bad, name=f"bad{flag}") for item in part]
+    if ctx.is_root:
+        # The training and held-out images of one root share its cache: update this set's entries, keep the rest.
+        reasons, decoded, known = dict(found), set(todo.tolist()), looked_up["known"]
+        fresh = dict(known)
+        for i, (rel, stamp) in enumerate(zip(relatives, looked_up["stamps"])):
+            if stamp is None:  # a file that cannot be read now is checked again next time
+                fresh.pop(rel, None)
+            elif i in decoded:
+                fresh[rel] = (*stamp, reasons.get(images.paths[i]))
+        if decoded:
+            cache.save(fresh)
+    return sorted(cached_bad + found)

@@ -11,8 +11,10 @@ import numpy as np
 
 from hvd_train import distributed
 from hvd_train.classifier import Net
+from hvd_train.data.images import why_undecodable
 from hvd_train.data.pipeline import eval_dataset, input_errors
 from hvd_train.distributed import Context
+from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
 from hvd_train.evaluation import evaluate as score
 from hvd_train.log import get_logger
@@ -32,6 +34,7 @@ def close_epoch(
         waited: seconds this rank's input waited on storage in the epoch, or None without a storage reader.
     """
     logs = _averaged_metrics(net, ctx)
+    _report_undecodable(job, ctx, history, epoch)
     logs["lr"] = float(net.optimizer.learning_rate.numpy())
     images = steps * batch_size * ctx.size
     logs["epoch_seconds"] = seconds
@@ -65,7 +68,48 @@ def evaluate(job: Job, ctx: Context, net: Net, batch_size: int, history: History
     with input_errors(ctx.rank, held_out.reader):
         result = score(net.model, held_out.dataset, len(job.classes), ctx, name=name)
     history.last_eval = result
+    if result.skipped:
+        _skipped(job, ctx, history, [job.val.paths[i] for i in result.skipped], "evaluation")
     return result
+
+
+def _report_undecodable(job: Job, ctx: Context, history: History, epoch: int) -> None:
+    """Lists the training images that could not be decoded in ``epoch`` (on every rank alike)."""
+    mine = sorted(history.undecodable)
+    history.undecodable.clear()
+    # Horovod: a count first, so the ranks gather the list only when there is one.
+    if not ctx.allreduce_sum(np.array([len(mine)], np.float64), name=f"undecodable.{epoch}")[0]:
+        return
+    found = sorted({i for part in ctx.allgather_object(mine, name=f"undecodable_ids.{epoch}") for i in part})
+    _skipped(job, ctx, history, [job.train.paths[i] for i in found], "training")
+
+
+def _skipped(job: Job, ctx: Context, history: History, paths: list[str], when: str) -> None:
+    """Records images met in ``when`` that could not be decoded; with ``--on-bad-image fail``, stops on all ranks.
+
+    Every rank calls this with the same ``paths``, so all keep the same
+    record and all stop alike.
+    """
+    new = [p for p in paths if p not in history.skipped]
+    if not new:
+        return
+    # Rank 0 says why (it reads the few files again); the others only need the paths.
+    reasons = why_undecodable(new, job.cfg.data.s3_options()) if ctx.is_root else [""] * len(new)
+    if job.cfg.data.on_bad_image == "fail":
+        reason = ctx.broadcast_object(reasons[0], name=f"bad_image.{when}")
+        more = f" (and {len(new) - 1} more)" if len(new) > 1 else ""
+        raise UserError(
+            f"cannot decode image {new[0]}: {reason}{more}, met during {when}; fix or remove it and rerun "
+            f"(the run resumes from its last checkpoint), or pass --on-bad-image skip.",
+            agreed=True,
+        )
+    for path, reason in zip(new, reasons):
+        history.skipped[path] = (reason, when)
+    if ctx.is_root:
+        treated = "given no weight" if when == "training" else "not scored"
+        log.warning("skipped %d image(s) met during %s that cannot be decoded (%s):", len(new), when, treated)
+        for path, reason in zip(new, reasons):
+            log.warning("  skipped %s: %s", path, reason)
 
 
 def _averaged_metrics(net: Net, ctx: Context) -> dict:

@@ -64,11 +64,13 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
             )
         if final is not None:
             log.info(
-                "held-out accuracy %.4f (top-%d %.4f) on %d images; %.1f images/s on %d worker(s)",
+                "held-out accuracy %.4f top-1, %.4f top-%d on %d images (scored in %.1f s); "
+                "%.1f images/s on %d worker(s)",
                 final.accuracy,
-                final.k,
                 final.top5,
+                final.k,
                 final.count,
+                final.seconds,
                 summary["images_per_sec"] or 0,
                 ctx.size,
             )
@@ -87,7 +89,7 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "val_loss": final.loss if final else None,
         "val_images": final.count if final else 0,
         "val_per_class_accuracy": dict(zip(job.classes, final.per_class_accuracy())) if final else None,
-        "val_confusion_matrix": final.confusion.tolist() if final else None,
+        "val_confusion_matrix": plots.confusion_to_json(final.confusion) if final else None,
         "world_size": ctx.size,
         "batch_size": state.batch_size,
         "global_batch": state.global_batch,
@@ -109,9 +111,23 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "world_sizes": history.world_sizes,
         "elastic_resets": history.resets,
         "checkpoint_seconds": round(history.checkpoint_seconds, 3),
+        "check_images": cfg.data.check_images,
+        "skipped_images": skipped_images(job, history),
+        "val_seconds": round(final.seconds, 3) if final else None,
         **_input_stats(ctx, history),
         **distributed.versions(),
     }
+
+
+def skipped_images(job: Job, history: History) -> list[dict]:
+    """Every image left out because it cannot be decoded: found by the check before training, or met later."""
+    found = [
+        {"path": path, "reason": reason, "found": "check"}
+        for data in (job.train, job.val)
+        for path, reason in getattr(data, "skipped", ())
+    ]
+    found += [{"path": p, "reason": reason, "found": when} for p, (reason, when) in history.skipped.items()]
+    return found
 
 
 # The Horovod settings that shape its speed, as the workers saw them.

@@ -149,6 +149,11 @@ class History:
             its row back if the process died after the checkpoint but
             before writing it).
         input_stats: this rank's storage reader counters, if it used one.
+        undecodable: indices of training images this rank met that could not
+            be decoded (trained on with no weight), not yet reported.
+        skipped: every image skipped so far, on every rank alike:
+            ``{path: (reason, when)}``, ``when`` being ``check`` (before
+            training), ``training`` or ``evaluation``.
     """
 
     epochs: dict[int, dict] = field(default_factory=dict)
@@ -159,6 +164,8 @@ class History:
     resumed_from: str | None = None
     resumed_metrics: tuple[int, dict] | None = None
     input_stats: dict | None = None
+    undecodable: set[int] = field(default_factory=set)
+    skipped: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def metrics_of(self, epoch: int) -> dict:
         """The logs of finished epoch ``epoch`` (0-based), this process's or the resumed checkpoint's."""

@@ -24,7 +24,7 @@ from hvd_train.classifier import Net
 from hvd_train.data.pipeline import input_errors, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.distributed import Context
-from hvd_train.log import get_logger
+from hvd_train.log import Ticker, get_logger
 from hvd_train.training import epoch_end
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary
@@ -72,6 +72,7 @@ class Loop:
         self.reader = None
         self._wait_before = 0.0
         self.reporters: Reporters | None = None
+        self._traced = False
         if self.cfg.run.sample_log:
             net.audit = SampleLog(self.cfg.run.sample_log, state, ctx)
 
@@ -127,7 +128,9 @@ class Loop:
             # Horovod: only rank 0 writes files and prints progress (rank 0 may be
             # another process than before an elastic reset).
             title = f"{self.job.spec.name}: {ctx.size} worker(s) x batch {plan.batch_size}"
-            self.reporters = Reporters(self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard, title)
+            self.reporters = Reporters(
+                self.cfg.run.output, self.cfg.run.epochs, self.cfg.run.tensorboard, title, self.cfg.run.log_every
+            )
         else:
             self.reporters = None
         last = self.history.metrics_of(state.epoch - 1)
@@ -166,7 +169,7 @@ class Loop:
         """Runs the steps of ``segment`` from ``first`` on; returns the steps run and their seconds."""
         state, boundary, reporters = self.state, self.boundary, self.reporters
         if reporters:
-            reporters.progress.begin(state.epoch, segment.steps, first)
+            reporters.progress.begin(state.epoch, segment.steps, first, segment.batch * segment.size)
         self._wait_before = self._waited()
         seconds = 0.0
         last_step = 0.0
@@ -174,7 +177,15 @@ class Loop:
             started = time.perf_counter()
             self.net.set_learning_rate(self.schedule(state.epoch_progress))
             self.net.set_flags(self.stop.requested, boundary.timed_checkpoint_due(), last_step)
-            logs, _, agreed = self.net.step(iterator)
+            if self._traced:
+                logs, ids, agreed = self.net.step(iterator)
+            else:  # the first step builds the graph and fills the input pipeline: say so while it lasts
+                with Ticker(log, "first step: building the training graph, filling the input pipeline"):
+                    logs, ids, agreed = self.net.step(iterator)
+                self._traced = True
+            stand_ins = ids.numpy()
+            if stand_ins.min() < 0:  # images that could not be decoded (``pipeline``)
+                self.history.undecodable.update((-1 - stand_ins[stand_ins < 0]).tolist())
             last_step = time.perf_counter() - started
             state.advance()
             if self.history.resets and "seconds" not in self.history.resets[-1]:

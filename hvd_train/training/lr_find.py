@@ -131,9 +131,10 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
     @tf.function(autograph=False)  # as the training step (see classifier.Net)
-    def step(images, labels):
+    def step(images, labels, ids):
         with tf.GradientTape() as tape:
-            loss = loss_fn(labels, model(images, training=True))
+            # Stand-ins for images that cannot be decoded (negative ids) weigh nothing, as in training.
+            loss = loss_fn(labels, model(images, training=True), tf.cast(ids >= 0, tf.float32))
         variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
         if mult != 1.0:
@@ -160,10 +161,10 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     started = time.perf_counter()
     average, best = 0.0, math.inf
     factor = (end / start) ** (1 / (steps - 1))
-    for i, (images, labels, _) in enumerate(made.dataset.take(steps)):
+    for i, (images, labels, ids) in enumerate(made.dataset.take(steps)):
         lr = start * factor**i
         optimizer.learning_rate.assign(lr)
-        loss = float(step(images, labels))
+        loss = float(step(images, labels, ids))
         average = SMOOTHING * average + (1 - SMOOTHING) * loss
         smooth = average / (1 - SMOOTHING ** (i + 1))
         sweep.lrs.append(lr)

@@ -14,17 +14,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import time
 
 from hvd_train import compute, distributed, files
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import DataConfig, TrainConfig
-from hvd_train.data.folder import split_per_class
+from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
-from hvd_train.log import get_logger
+from hvd_train.log import Ticker, get_logger
 from hvd_train.models import build_model, get_spec, resolve_bn
 from hvd_train.training import checkpoints, lr_find
 from hvd_train.training.job import History, Job, fresh_state
@@ -145,7 +146,8 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
         load = ctx.is_root and collective
         return build_model(cfg.model, len(job.classes), job.image_size, load_weights=load)
 
-    base = ctx.agree(build, name="build_model") if collective else build()
+    with Ticker(log, f"building {job.spec.name}"):
+        base = ctx.agree(build, name="build_model") if collective else build()
     return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision)
 
 
@@ -185,7 +187,8 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
         return found.path, found.state.to_dict(), rows, changed, found.info.get("metrics") or {}
 
-    restored = ctx.on_root(restore, name="restore")
+    with Ticker(log, "looking for a checkpoint to resume from"):
+        restored = ctx.on_root(restore, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.
     distributed.broadcast_variables(net.variables, ctx)
     if restored is None:
@@ -284,7 +287,16 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
             return split_per_class(train, cfg.val_split, seed)
         return train, None
 
+    started = time.perf_counter()
     train, val = ctx.on_root(listing, name="list_data")
+    if isinstance(train, ImageSet):
+        held = train.nbytes() + (val.nbytes() if isinstance(val, ImageSet) else 0)
+        log.info(
+            "listed %d images in %.1f s; the list takes %.1f MB on each rank",
+            len(train) + (len(val) if val is not None else 0),
+            time.perf_counter() - started,
+            held / 1e6,
+        )
     for data, flag in ((train, "--data"), (val, "--val-data")):
         background = getattr(data, "alpha_background", "")
         if background and background != cfg.alpha_background and ctx.is_root:
@@ -298,9 +310,9 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
                 cfg.alpha_background,
                 background,
             )
-    train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3)
+    train = checked(train, "--data", cfg.on_bad_image, ctx, threads, s3, cfg.check_images)
     if val is not None:
-        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3)
+        val = checked(val, "--val-data" if cfg.val else "--data", cfg.on_bad_image, ctx, threads, s3, cfg.check_images)
         if len(val) == 0:
             val = None
     if val is None and ctx.is_root:

@@ -16,6 +16,7 @@ import threading
 import time
 
 from hvd_train import files, plots
+from hvd_train.config import parse_every
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -78,6 +79,15 @@ class TensorBoard:
         self._train = tf.summary.create_file_writer(os.path.join(folder, "train"))
         self._val = tf.summary.create_file_writer(os.path.join(folder, "validation"))
 
+    def write_step(self, step: int, values: dict) -> None:
+        """Scalars of the last ``--log-every`` interval, as ``step_<name>`` at ``step`` (counted over the run)."""
+        from hvd_train.compat import tf
+
+        with self._train.as_default(step=step):
+            for key, value in values.items():
+                tf.summary.scalar(f"step_{key}", value)
+        self._train.flush()
+
     def write(self, epoch: int, logs: dict) -> None:
         from hvd_train.compat import tf
 
@@ -94,17 +104,28 @@ class TensorBoard:
 
 
 class Progress:
-    """``Epoch e/E`` and a progress bar (a terminal) or one line per epoch (a log file)."""
+    """``Epoch e/E``, then a progress bar (a terminal) or lines (a log file), and one line at the epoch's end.
 
-    def __init__(self, epochs: int):
+    Every ``--log-every`` (steps or seconds), a log file gets a line with the
+    step within the epoch, images/s since the last line, loss, accuracy and
+    the epoch's ETA: on a cluster, a slow job and a hung one look different.
+    TensorBoard, when on, gets the same numbers at the same interval
+    (``step_loss``, ``step_accuracy``, ``step_images_per_sec``), on a terminal too.
+    """
+
+    def __init__(self, epochs: int, every: str = "", tensorboard: TensorBoard | None = None):
         self.epochs = epochs
         self.interactive = sys.stdout.isatty()
+        self.every_steps, self.every_seconds = parse_every(every)
+        self.tensorboard = tensorboard
         self._bar = None
         self._started = 0.0
 
-    def begin(self, epoch: int, steps: int, first_step: int) -> None:
+    def begin(self, epoch: int, steps: int, first_step: int, images_per_step: int = 0) -> None:
         print(f"Epoch {epoch + 1}/{self.epochs}", flush=True)
-        self._started = time.perf_counter()
+        self._started = self._last_time = time.perf_counter()
+        self._epoch, self._steps, self._first = epoch, steps, first_step
+        self._last_step, self._images_per_step = first_step, images_per_step
         if self.interactive:
             from hvd_train.compat import keras
 
@@ -115,19 +136,49 @@ class Progress:
     def step(self, done: int, logs: dict) -> None:
         if self._bar is not None:
             self._bar.update(done, [(k, float(v)) for k, v in logs.items()])
+        now = time.perf_counter()
+        due = (self.every_steps and done - self._last_step >= self.every_steps) or (
+            self.every_seconds and now - self._last_time >= self.every_seconds
+        )
+        if not due or done >= self._steps or (self._bar is not None and self.tensorboard is None):
+            return
+        values = {k: float(v) for k, v in logs.items() if k in ("loss", "accuracy")}
+        rate = (done - self._last_step) * self._images_per_step / max(now - self._last_time, 1e-9)
+        self._last_step, self._last_time = done, now
+        if self._bar is None:
+            left = (self._steps - done) * (now - self._started) / max(done - self._first, 1)
+            shown = " - ".join(f"{k}: {v:.4f}" for k, v in values.items())
+            print(
+                f"step {done}/{self._steps} - {rate:.1f} images/s - {shown} - ETA {_duration(left)}",
+                flush=True,
+            )
+        if self.tensorboard is not None:
+            self.tensorboard.write_step(self._epoch * self._steps + done, {**values, "images_per_sec": rate})
 
     def end(self, steps: int, logs: dict) -> None:
         self._bar = None
         shown = " - ".join(
-            f"{k}: {v:.4f}" for k, v in logs.items() if k in ("loss", "accuracy", "val_loss", "val_accuracy")
+            f"{k}: {v:.4f}"
+            for k, v in logs.items()
+            if k in ("loss", "accuracy", "val_loss", "val_accuracy", "val_top5")
         )
         print(f"{steps}/{steps} - {time.perf_counter() - self._started:.0f}s - {shown}", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``12m05s``, ``3h07m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class Reporters:
     """Rank 0's writers of one run."""
 
-    def __init__(self, output: str, epochs: int, tensorboard: bool, title: str = ""):
+    def __init__(self, output: str, epochs: int, tensorboard: bool, title: str = "", log_every: str = ""):
         self.csv = MetricsCSV(os.path.join(output, "metrics.csv"))
         self.curves = os.path.join(output, plots.CURVES)
         self.title = title
@@ -145,7 +196,7 @@ class Reporters:
         self._thread.start()
         self.tensorboard_folder = os.path.join(output, "tensorboard")
         self.tensorboard = TensorBoard(self.tensorboard_folder) if tensorboard else None
-        self.progress = Progress(epochs)
+        self.progress = Progress(epochs, log_every, self.tensorboard)
 
     def draw_soon(self, epoch: int, logs: dict) -> None:
         """Hands the curves up to epoch ``epoch`` (0-based) to the painter; never fails.
