@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# Install everything hvd_train needs on a Debian machine with Python 3.11:
+# Install everything hvd_train needs on a Debian machine with Python 3.11-3.13:
 # Open MPI, a virtual environment, TensorFlow + tf-keras, mpi4py, Horovod
 # (built from source against that TensorFlow, with Gloo and MPI, NCCL when
-# asked) and hvd_train itself.
+# asked, and patched for TensorFlow >= 2.19: launch/patches/) and hvd_train
+# itself.
 #
 # Idempotent and cached: each step is skipped when its result is already
-# there, and the Horovod wheel is kept in a cache folder keyed by the
-# versions it was built against, so a second install (or a fresh clone on the
-# same machine) does not rebuild it.
+# there, and the Horovod wheel is kept in a cache folder keyed by everything
+# it was built against (Horovod and its patch, TensorFlow, Python, Open MPI,
+# GPU or not), so a second install, a fresh clone on the same machine or a
+# switch back to another stack does not rebuild it.
 #
 # Environment:
+#   HVD_TRAIN_TF       the stack: 2.21 (TensorFlow 2.21.0 + tf-keras 2.21.0,
+#                      the default) or 2.18 (2.18.1 + 2.18.0, for clusters
+#                      pinned to it; Python <= 3.12)
 #   HVD_TRAIN_VENV     virtual environment to create/use   (default: ./.venv)
 #   HVD_TRAIN_EXTRAS   extras of hvd_train to install      (default: test)
 #   HVD_TRAIN_GPU      1 builds Horovod with NCCL           (default: 0)
@@ -33,11 +38,20 @@ extras=${HVD_TRAIN_EXTRAS-test}
 gpu=${HVD_TRAIN_GPU:-0}
 python=${PYTHON:-python3}
 
-# The stack, pinned together: Horovod 0.28.1 (its last release) builds
-# against TensorFlow 2.15-2.18 but not 2.19+ (missing headers).
-TF_VERSION=2.18.1
-TF_KERAS_VERSION=2.18.0
+# The stacks, each pinned together. Horovod 0.28.1 (its last release) builds
+# against TensorFlow 2.15-2.18 as released and against 2.19+ with our patch.
+stack=${HVD_TRAIN_TF:-2.21}
+case "$stack" in
+  2.21) TF_VERSION=2.21.0 TF_KERAS_VERSION=2.21.0 ;;
+  2.18) TF_VERSION=2.18.1 TF_KERAS_VERSION=2.18.0 ;;
+  *)
+    printf '[install] HVD_TRAIN_TF=%s is not a stack hvd_train is tested on; choose 2.21 (the default) or 2.18\n' "$stack" >&2
+    exit 2
+    ;;
+esac
 HOROVOD_VERSION=0.28.1
+HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
+HOROVOD_PATCH=$here/launch/patches/horovod-0.28.1.patch
 
 log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
@@ -51,7 +65,7 @@ fi
 
 # --- 1. system packages -------------------------------------------------------
 # iproute2: `ip`, for the multi-host test's network namespaces; curl: launch/aws-spot-watch.sh.
-apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make iproute2 curl)
+apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch iproute2 curl)
 # The tests open report.html in a real headless browser.
 # strace: a checkpoint test reads the renames of a save as the kernel saw them.
 [[ ",$extras," == *",test,"* || ",$extras," == *",dev,"* ]] && apt_packages+=(chromium fonts-dejavu-core strace)
@@ -79,6 +93,10 @@ pip_quiet() { # pip, without the notes of machines whose pip config lists missin
 }
 pip=(pip_quiet)
 pyver=$("$venv/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+if [[ "$stack" == 2.18 && "$pyver" > cp312 ]]; then
+  log "TensorFlow $TF_VERSION has no wheel for Python ${pyver#cp3} (3.${pyver#cp3}); use HVD_TRAIN_TF=2.21, or PYTHON=python3.12 or older"
+  exit 2
+fi
 
 installed() { # name version -> 0 when that exact version is installed in the venv
   [[ "$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null)" == "$2" ]]
@@ -101,22 +119,39 @@ else
   "${pip[@]}" install -q --no-binary mpi4py mpi4py
 fi
 
-# --- 5. Horovod, built once per (Horovod, TensorFlow, Python, GPU) ------------
+# --- 5. Horovod, built once per (Horovod + patch, TensorFlow, Python, MPI, GPU) ---
 variant=cpu
 [[ "$gpu" == 1 ]] && variant=nccl
+mpi_version=$(mpirun --version 2>/dev/null | sed -n '1s/.* //p')
+patch_id=$(sed -n '/^--- a\//,$p' "$HOROVOD_PATCH" | sha256sum | cut -c1-8) # its hunks, not its header
 cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}
-wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION-tf$TF_VERSION-$pyver-$variant"
-if installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - <<'PY' 2>/dev/null
-import os
+wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION+p$patch_id-tf$TF_VERSION-$pyver-ompi$mpi_version-$variant"
+# Installed and built against this TensorFlow (its metadata.json says which).
+if installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - "$TF_VERSION" <<'PY' 2>/dev/null
+import json, os, sys
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd
+with open(os.path.join(os.path.dirname(hvd.__file__), "..", "metadata.json")) as f:
+    assert json.load(f)["tensorflow"] == sys.argv[1]
 assert hvd.gloo_built() and hvd.mpi_built()
 PY
 then
-  log "horovod $HOROVOD_VERSION already installed"
+  log "horovod $HOROVOD_VERSION already installed (built against tensorflow $TF_VERSION)"
 else
   if ! compgen -G "$wheel_dir/horovod-*.whl" >/dev/null; then
     log "horovod: building $HOROVOD_VERSION from source against tensorflow $TF_VERSION ($variant); this takes several minutes"
+    src=$(mktemp -d)
+    # shellcheck disable=SC2064 # expand now: $src is local to this step
+    trap "rm -rf '$src'" EXIT
+    "${pip[@]}" download -q --no-deps --no-binary :all: --no-build-isolation -d "$src" "horovod==$HOROVOD_VERSION"
+    sdist="$src/horovod-$HOROVOD_VERSION.tar.gz"
+    if [[ "$(sha256sum "$sdist" | cut -d' ' -f1)" != "$HOROVOD_SDIST_SHA256" ]]; then
+      log "horovod: $sdist is not the sdist the patch was written for (sha256 differs from $HOROVOD_SDIST_SHA256)"
+      exit 1
+    fi
+    tar -xzf "$sdist" -C "$src"
+    log "horovod: applying $(basename "$HOROVOD_PATCH")"
+    patch -d "$src/horovod-$HOROVOD_VERSION" -p1 --quiet --forward < "$HOROVOD_PATCH"
     mkdir -p "$wheel_dir.tmp"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
@@ -126,8 +161,8 @@ else
     # --no-build-isolation: Horovod must compile against the TensorFlow in
     # this venv, not a different one pip would fetch for an isolated build.
     "${pip[@]}" wheel -q --no-deps --no-build-isolation --no-cache-dir \
-      -w "$wheel_dir.tmp" "horovod==$HOROVOD_VERSION"
-    rm -rf "$wheel_dir"
+      -w "$wheel_dir.tmp" "$src/horovod-$HOROVOD_VERSION"
+    rm -rf "$wheel_dir" "$src"
     mv "$wheel_dir.tmp" "$wheel_dir"
   else
     log "horovod: using cached wheel in $wheel_dir"

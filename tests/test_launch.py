@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -259,5 +260,13 @@ def test_install_script_is_idempotent_and_quick_when_installed():
     # The environment this test runs in was made by launch/install.sh; a second run finds everything.
     proc = run(["bash", LAUNCH / "install.sh"], timeout=600, HVD_TRAIN_VENV=str(Path(sys.executable).parent.parent))
     assert proc.returncode == 0, output_of(proc)
-    for step in ("already installed", "horovod 0.28.1 already installed", "[X] MPI", "[X] Gloo"):
+    built_against = f"horovod 0.28.1 already installed (built against tensorflow {metadata.version('tensorflow')})"
+    for step in ("already installed", built_against, "[X] MPI", "[X] Gloo"):
         assert step in proc.stdout, proc.stdout
+
+
+def test_install_script_refuses_a_stack_it_is_not_tested_on(tmp_path):
+    proc = run(["bash", LAUNCH / "install.sh"], timeout=60, HVD_TRAIN_TF="2.19", HVD_TRAIN_VENV=str(tmp_path / "venv"))
+    assert proc.returncode == 2, output_of(proc)
+    assert "HVD_TRAIN_TF=2.19 is not a stack" in proc.stderr and "2.21" in proc.stderr and "2.18" in proc.stderr
+    assert not (tmp_path / "venv").exists()  # refused before doing anything
