@@ -27,11 +27,15 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # What TensorFlow's import writes to file descriptor 2 on a machine without a
-# GPU before any log level applies: CUDA plugin registration, absl's notice.
+# GPU before any log level applies: CUDA plugin registration, absl's notice,
+# and (2.19+, which logs through absl before reading TF_CPP_MIN_LOG_LEVEL) the
+# oneDNN and missing-driver notices.
 IMPORT_NOISE = (
     r"Unable to register (cuDNN|cuFFT|cuBLAS) factory",
     r"All log messages before absl::InitializeLog\(\) is called are written to STDERR",
     r"computation placer already registered",
+    r"port\.cc:[0-9]+\] oneDNN custom operations are on",
+    r"cudart_stub\.cc:[0-9]+\] Could not find cuda drivers on your machine",
 )
 
 
