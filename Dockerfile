@@ -1,5 +1,6 @@
-# hvd_train image. GPU by default (CUDA 12.5 + cuDNN 9, as TensorFlow 2.18.1
-# was built with; Horovod with NCCL, MPI and Gloo); CPU with
+# hvd_train image. GPU by default (NVIDIA's CUDA 12.5 + cuDNN 9 images;
+# Horovod with NCCL, MPI and Gloo; not built by our CI: docs/launching.md);
+# CPU (Debian 13, Python 3.13) with
 #   DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
 # Both install through launch/install.sh, the script `make demo` / `make test`
 # use. The runtime stage has no compilers; it runs as the user hvd and its
@@ -24,7 +25,7 @@ RUN --mount=type=secret,id=ca \
         python3.11 python3.11-dev python3.11-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-FROM debian:bookworm-slim AS build-cpu
+FROM debian:trixie-slim AS build-cpu
 ENV HVD_TRAIN_GPU=0 PYTHON=python3
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
@@ -43,6 +44,7 @@ WORKDIR /src
 # them. HVD_TRAIN_CA_BUNDLE: see the top.
 COPY setup.cfg pyproject.toml ./
 COPY launch/install.sh launch/
+COPY launch/patches/ launch/patches/
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
     HVD_TRAIN_CA_BUNDLE=/run/secrets/ca HVD_TRAIN_DEPS_ONLY=1 bash launch/install.sh
 # Then hvd_train itself: the same script finds every earlier step done.
@@ -60,11 +62,11 @@ RUN --mount=type=secret,id=ca \
         python3.11 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-FROM debian:bookworm-slim AS runtime-cpu
+FROM debian:trixie-slim AS runtime-cpu
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
     && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
-        python3 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
+        python3 libpython3.13 openmpi-bin libopenmpi40 openssh-client openssh-server iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
 # hadolint ignore=DL3006
@@ -72,9 +74,12 @@ FROM runtime-${VARIANT} AS runtime
 COPY --from=build /opt/hvd_train /opt/hvd_train
 # The launch scripts (mpirun.sh passes preemption signals on; discovery scripts for elastic jobs).
 COPY launch/ /opt/hvd_train/launch/
-# sshd for multi-node launches (launch/docker.sh worker, the MPI Operator):
-# runs as hvd on port 12345 with a host key made at build time.
+# The user hvd, whose home is the working folder: open to other uids too
+# (box runs --user <caller>; Debian 13's useradd makes homes 0700). sshd for
+# multi-node launches (launch/docker.sh worker, the MPI Operator): runs as hvd
+# on port 12345 with a host key made at build time.
 RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
+    && chmod 755 /home/hvd \
     && mkdir -p /etc/ssh/hvd /run/sshd \
     && ssh-keygen -q -t ed25519 -N "" -f /etc/ssh/hvd/ssh_host_ed25519_key \
     && chown -R hvd:hvd /etc/ssh/hvd \

@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
 # Makes sure the Docker engine has the base image the CPU image builds on
-# (debian:bookworm-slim by default): present already, pulled, or, where no
+# (debian:trixie-slim by default): present already, pulled, or, where no
 # registry is reachable (air-gapped clusters, closed CI), made here from
 # Debian's packages with debootstrap and `docker import`.
 #
 # Usage:
 #   launch/base-image.sh [--image NAME] [--mirror URL] [--no-pull] [--dry-run]
 #
-#   --image NAME   image to provide (default debian:bookworm-slim)
+#   --image NAME   image to provide (default debian:trixie-slim; the tag names
+#                  the Debian suite: debian:bookworm-slim makes Debian 12)
 #   --mirror URL   Debian mirror for debootstrap (default $DEBIAN_MIRROR or
 #                  http://deb.debian.org/debian; an internal mirror works)
 #   --no-pull      do not try the registry; make the image with debootstrap
 #
 # Needs root (debootstrap) and the debootstrap package for the local build.
-# The made image is Debian 12 minbase with apt lists and caches removed, like
+# The made image is Debian minbase with apt lists and caches removed, like
 # the official slim image; docker build then uses it without pulling.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launch/_common.sh
 source "$here/_common.sh"
 
-image=debian:bookworm-slim
+image=debian:trixie-slim
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 pull=1
 while (($#)); do
@@ -46,7 +47,9 @@ fi
 command -v debootstrap >/dev/null || die "cannot pull $image and debootstrap is not installed (apt-get install debootstrap)"
 [[ $(id -u) == 0 ]] || die "making $image with debootstrap needs root"
 
-suite=bookworm
+suite=${image##*:}
+suite=${suite%-slim}
+[[ "$suite" =~ ^[a-z]+$ ]] || die "cannot tell the Debian suite from $image: name it debian:<suite>[-slim]"
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
 echo "base image $image: not pullable here; making it from $mirror with debootstrap"

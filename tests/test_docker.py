@@ -63,7 +63,7 @@ def docker(tmp_path_factory):
             time.sleep(0.5)
     try:
         sh("bash", REPO / "launch" / "base-image.sh", timeout=900, env={**os.environ, "DOCKER": client})
-        probe = sh(client, "run", "--rm", "debian:bookworm-slim", "true", check=False, timeout=120)
+        probe = sh(client, "run", "--rm", "debian:trixie-slim", "true", check=False, timeout=120)
         if probe.returncode != 0:
             unavailable("docker", f"the kernel refuses containers here: {probe.stderr.strip()[-300:]}")
         yield client
