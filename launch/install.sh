@@ -2,8 +2,8 @@
 # Install everything hvd_train needs on a Debian machine with Python 3.11-3.13:
 # Open MPI, a virtual environment, TensorFlow + tf-keras, mpi4py, Horovod
 # (built from source against that TensorFlow, with Gloo and MPI, NCCL when
-# asked, and patched for TensorFlow >= 2.19: launch/patches/) and hvd_train
-# itself.
+# asked, and patched for TensorFlow >= 2.19 and GCC >= 13: launch/patches/)
+# and hvd_train itself.
 #
 # Idempotent and cached: each step is skipped when its result is already
 # there, and the Horovod wheel is kept in a cache folder keyed by everything
@@ -93,8 +93,8 @@ pip_quiet() { # pip, without the notes of machines whose pip config lists missin
 }
 pip=(pip_quiet)
 pyver=$("$venv/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-if [[ "$stack" == 2.18 && "$pyver" > cp312 ]]; then
-  log "TensorFlow $TF_VERSION has no wheel for Python ${pyver#cp3} (3.${pyver#cp3}); use HVD_TRAIN_TF=2.21, or PYTHON=python3.12 or older"
+if [[ "$stack" == 2.18 ]] && ((${pyver#cp3} > 12)); then
+  log "TensorFlow $TF_VERSION has no wheel for Python 3.${pyver#cp3}; use HVD_TRAIN_TF=2.21, or PYTHON=python3.12 or older"
   exit 2
 fi
 
