@@ -51,9 +51,7 @@ class PathList(Sequence[str]):
     @classmethod
     def of(cls, prefix: str, relatives: Iterable[str]) -> PathList:
         """The paths ``prefix + r`` for each of ``relatives``."""
-        encoded = [r.encode("utf-8", "surrogateescape") for r in relatives]
-        ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)))
-        return cls(prefix, b"".join(encoded), ends)
+        return cls.of_bytes(prefix, [r.encode("utf-8", "surrogateescape") for r in relatives])
 
     def __len__(self) -> int:
         return int(self.ends.size)
@@ -100,6 +98,7 @@ class PathList(Sequence[str]):
 
     @classmethod
     def of_bytes(cls, prefix: str, encoded: list[bytes]) -> PathList:
+        """The paths ``prefix + e`` for each of ``encoded`` (UTF-8 relative paths)."""
         ends = np.cumsum(np.fromiter(map(len, encoded), np.int64, len(encoded)))
         return cls(prefix, b"".join(encoded), ends)
 
@@ -204,15 +203,9 @@ class ImageSet:
         """
         h = hashlib.sha256()
         h.update("\0".join(self.classes).encode() + b"\n")
-        blob = self.paths.blob
-        text = blob.decode("ascii") if blob.isascii() else None  # ASCII is its own NFC
-        start = 0
-        for label, end in zip(self.labels.tolist(), self.paths.ends.tolist()):
-            rel = (
-                text[start:end] if text is not None else storage.nfc(blob[start:end].decode("utf-8", "surrogateescape"))
-            )
-            h.update(f"{label}\t{rel}\n".encode())
-            start = end
+        for label, rel in zip(self.labels.tolist(), self.paths.relatives()):
+            # ASCII is its own NFC.
+            h.update(f"{label}\t{rel if rel.isascii() else storage.nfc(rel)}\n".encode())
         return h.hexdigest()[:16]
 
 

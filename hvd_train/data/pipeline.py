@@ -142,8 +142,8 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset
     """
 
     def one(*element):
-        decoded = tf.data.Dataset.from_tensors(element).map(load).ignore_errors()
-        return decoded.concatenate(tf.data.Dataset.from_tensors(element).map(stand_in)).take(1)
+        alone = tf.data.Dataset.from_tensors(element)
+        return alone.map(load).ignore_errors().concatenate(alone.map(stand_in)).take(1)
 
     return ds.interleave(
         one, cycle_length=tf.data.AUTOTUNE, block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
@@ -196,8 +196,8 @@ def _path_lookup(paths: PathList):
     buffer costs what the relative paths do.
     """
     blob = tf.constant(paths.blob)
-    starts = tf.constant(paths.starts())
-    lengths = tf.constant(paths.ends - paths.starts())
+    starts_np = paths.starts()
+    starts, lengths = tf.constant(starts_np), tf.constant(paths.ends - starts_np)
     prefix = tf.constant(paths.prefix.encode("utf-8", "surrogateescape"))
 
     def path_of(i):

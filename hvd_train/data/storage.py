@@ -194,19 +194,28 @@ class S3Store(Store):
     def key(self, rel: str) -> str:
         return self.prefix + rel
 
-    def list(self, flag: str) -> list[tuple[str, int]]:
-        """Paginated ListObjectsV2: every key below the prefix, however many."""
-        found = []
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
+    def _pages(self, prefix: str, flag: str, **kwargs):
+        """Paginated ListObjectsV2 below ``prefix``, however many pages; a failure names ``flag``."""
         try:
-            for page in pages:
-                for obj in page.get("Contents", []):
-                    rel = obj["Key"][len(self.prefix) :]
-                    if rel and not rel.endswith("/"):
-                        found.append((rel, int(obj["Size"])))
+            yield from self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix, **kwargs
+            )
         except Exception as e:
-            raise self._error(e, "list", self.prefix, flag) from None
+            raise self._error(e, "list", prefix, flag) from None
+
+    def _objects(self, page) -> list[tuple[str, int]]:
+        """``(key relative to the prefix, size)`` of each object of one listing page."""
+        return [(o["Key"][len(self.prefix) :], int(o["Size"])) for o in page.get("Contents", [])]
+
+    @staticmethod
+    def _files_in_order(found: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """``found`` without folder markers, in canonical order."""
+        found = [(rel, size) for rel, size in found if rel and not rel.endswith("/")]
         return sorted(found, key=lambda item: canonical_key(item[0]))
+
+    def list(self, flag: str) -> list[tuple[str, int]]:
+        """Every key below the prefix, however many, with its size."""
+        return self._files_in_order([obj for page in self._pages(self.prefix, flag) for obj in self._objects(page)])
 
     def list_by_folder(self, flag: str, ticker=None) -> list[tuple[str, int]]:
         """Like ``list``, with one listing stream per top-level folder, in parallel.
@@ -216,32 +225,25 @@ class S3Store(Store):
         folders as common prefixes), then every folder on a pool of
         ``concurrency`` threads. ``ticker.count`` follows the keys listed.
         """
-        paginator = self.client.get_paginator("list_objects_v2")
         found, folders = [], []
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"):
-                folders += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
-                found += [(o["Key"][len(self.prefix) :], int(o["Size"])) for o in page.get("Contents", [])]
-        except Exception as e:
-            raise self._error(e, "list", self.prefix, flag) from None
+        for page in self._pages(self.prefix, flag, Delimiter="/"):
+            folders += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            found += self._objects(page)
 
         def one(folder: str) -> list[tuple[str, int]]:
             keys = []
-            try:
-                for page in paginator.paginate(Bucket=self.bucket, Prefix=folder):
-                    keys += [(o["Key"][len(self.prefix) :], int(o["Size"])) for o in page.get("Contents", [])]
-                    if ticker is not None:
-                        ticker.count += len(page.get("Contents", []))
-            except Exception as e:
-                raise self._error(e, "list", folder, flag) from None
+            for page in self._pages(folder, flag):
+                objects = self._objects(page)
+                keys += objects
+                if ticker is not None:
+                    ticker.count += len(objects)
             return keys
 
         if folders:
             with ThreadPoolExecutor(min(len(folders), max(1, self.options.concurrency))) as pool:
                 for keys in pool.map(one, folders):
                     found += keys
-        found = [(rel, size) for rel, size in found if rel and not rel.endswith("/")]
-        return sorted(found, key=lambda item: canonical_key(item[0]))
+        return self._files_in_order(found)
 
     def read(self, rel: str, start: int | None = None, end: int | None = None) -> bytes:
         return read_url(f"s3://{self.bucket}/{self.key(rel)}", self.options, start, end)
