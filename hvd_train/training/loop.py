@@ -21,7 +21,7 @@ import numpy as np
 
 from hvd_train import distributed
 from hvd_train.classifier import Net
-from hvd_train.data.pipeline import input_errors, train_input
+from hvd_train.data.pipeline import input_errors, release, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.distributed import Context
 from hvd_train.log import Ticker, get_logger
@@ -157,11 +157,14 @@ class Loop:
             alpha_background=cfg.data.alpha_background,
         )
         self.reader = data.reader
-        iterator = iter(data.dataset)
-        with input_errors(self.ctx.rank, data.reader):
-            for segment, first in data.segments:
-                steps, seconds = self._run_epoch_steps(segment, first, iterator)
-                self._end_epoch(steps, seconds)
+        held = [iter(data.dataset)]  # its one reference, for ``release``
+        try:
+            with input_errors(self.ctx.rank, data.reader):
+                for segment, first in data.segments:
+                    steps, seconds = self._run_epoch_steps(segment, first, held[0])
+                    self._end_epoch(steps, seconds)
+        finally:
+            release(held)  # training goes on at once (an elastic reset too), not after up to a minute
         if self.reader is not None:
             self.history.input_stats = self.reader.stats()
 
