@@ -11,6 +11,7 @@ rank and exits with 75 (``preemption.EXIT_PREEMPTED``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hvd_train import __version__, hostname, log
@@ -29,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (train, lr_find, evaluate, predict, report, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
     for sub in subparsers.choices.values():
+        sub.add_argument(
+            "--verbose",
+            action="store_true",
+            help="also TensorFlow's and Horovod's own log lines, quiet by default "
+            "(HVD_TRAIN_VERBOSE=1 does the same, on every rank of a launcher)",
+        )
         _show_choices(sub)
     return parser
 
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if notice and rank == 0:
         logger.info("%s", notice)
     args = build_parser().parse_args(argv)
+    if args.verbose:  # before TensorFlow loads (hvd_train.compat), here and in what this command starts
+        os.environ["HVD_TRAIN_VERBOSE"] = "1"
     from hvd_train.training.preemption import STOP_SIGNALS, Preempted
 
     try:

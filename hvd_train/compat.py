@@ -21,10 +21,20 @@ import subprocess
 import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-# TensorFlow's C++ log lines (CPU feature guards, CUDA plugin registration
-# noise on machines without GPUs) bury the trainer's own log on every rank.
-# Real failures still reach the user as Python exceptions. Users may override.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+VERBOSE = os.environ.get("HVD_TRAIN_VERBOSE", "") not in ("", "0")
+"""``HVD_TRAIN_VERBOSE=1`` (or ``--verbose``, which sets it for the ranks a command starts): TensorFlow's lines too."""
+
+# TensorFlow's C++ log lines (CPU feature guards, CUDA plugin registration,
+# "failed call to cuInit" and "Could not find cuda drivers" on machines
+# without GPUs, tf.data's "Local rendezvous is aborting with status:
+# OUT_OF_RANGE" at each end of input) bury the trainer's own log on every
+# rank and read like failures. Real failures still reach the user as Python
+# exceptions. Users may override; verbose shows all.
+if VERBOSE:
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+else:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # What TensorFlow's import writes to file descriptor 2 on a machine without a
 # GPU before any log level applies: CUDA plugin registration, absl's notice,
@@ -48,7 +58,8 @@ def _import_tensorflow_quietly() -> None:
     small ``grep -v`` process stands between file descriptor 2 and the real
     stderr, so even an import that kills the process (an abort in C++)
     leaves its last words on the terminal: grep outlives it and prints what
-    it read. ``TF_CPP_MIN_LOG_LEVEL`` other than 3 shows everything.
+    it read. ``TF_CPP_MIN_LOG_LEVEL`` other than 3 (``HVD_TRAIN_VERBOSE``)
+    shows everything.
     """
     if os.environ["TF_CPP_MIN_LOG_LEVEL"] != "3" or "tensorflow" in sys.modules:
         return

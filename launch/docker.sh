@@ -30,8 +30,8 @@
 #                      lists any, else none: the CPU image needs none)
 #   --dry-run          print the docker command instead of running it
 #
-# AWS_*, HOROVOD_*, NCCL_* and TF_* set here are passed to the container by
-# name (docker run -e NAME), never by value. The Docker client is $DOCKER or
+# AWS_*, HOROVOD_*, NCCL_*, TF_* and HVD_TRAIN_VERBOSE set here are passed to
+# the container by name (docker run -e NAME), never by value. The Docker client is $DOCKER or
 # docker.
 #
 # Example:

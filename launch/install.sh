@@ -126,8 +126,11 @@ mpi_version=$(mpirun --version 2>/dev/null | sed -n '1s/.* //p')
 patch_id=$(sed -n '/^--- a\//,$p' "$HOROVOD_PATCH" | sha256sum | cut -c1-8) # its hunks, not its header
 cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}
 wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION+p$patch_id-tf$TF_VERSION-$pyver-ompi$mpi_version-$variant"
-# Installed and built against this TensorFlow (its metadata.json says which).
-if installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - "$TF_VERSION" <<'PY' 2>/dev/null
+# Installed from this very build (a changed patch is a new one), against this
+# TensorFlow (its metadata.json says which).
+built_marker=$venv/lib/hvd_train/horovod-build
+if [[ "$(cat "$built_marker" 2>/dev/null)" == "$(basename "$wheel_dir")" ]] &&
+  installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - "$TF_VERSION" <<'PY' 2>/dev/null
 import json, os, sys
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd
@@ -168,6 +171,8 @@ else
     log "horovod: using cached wheel in $wheel_dir"
   fi
   "${pip[@]}" install -q --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
+  mkdir -p "$(dirname "$built_marker")"
+  basename "$wheel_dir" >"$built_marker"
 fi
 
 # --- 6. hvd_train itself ----------------------------------------------------

@@ -6,10 +6,18 @@ way a broken install fails: a Python ImportError, or an abort in native code
 (as TensorFlow's CPU feature check does on a machine without AVX).
 """
 
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from hvd_train.compat import IMPORT_NOISE
+
+from conftest import BIN, run
+
+NOISY = re.compile("|".join(IMPORT_NOISE))
 
 NOISE = (
     "E0000 00:00:1795449604.630003   12257 cuda_dnn.cc:8310] Unable to register cuDNN factory: Attempting to "
@@ -68,3 +76,29 @@ def test_a_command_that_loads_tensorflow_is_quiet_too():
     proc = subprocess.run([sys.executable, "-m", "hvd_train", "models"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "MobileNetV2" in proc.stdout, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr
+
+
+@pytest.mark.parametrize("how", ["--verbose", "HVD_TRAIN_VERBOSE=1"])
+def test_verbose_brings_tensorflows_lines_back(how):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")  # verbose wins over a level set beforehand
+    args = [sys.executable, "-m", "hvd_train", "models"]
+    if how == "--verbose":
+        args.append("--verbose")
+    else:
+        env["HVD_TRAIN_VERBOSE"] = "1"
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "MobileNetV2" in proc.stdout, proc.stderr
+    assert NOISY.search(proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["-np", "1", "--gloo", "true"], ["--check-build"], ["--check-build", "--verbose"]],
+    ids=["job", "check-build", "check-build verbose"],
+)
+def test_horovodrun_itself_is_quiet_unless_asked(args):
+    # horovodrun checks Horovod's TensorFlow extension in a forked child that imports TensorFlow;
+    # Horovod as we build it mutes that child's descriptors, not only Python's streams.
+    proc = run([BIN / "horovodrun", *args], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert bool(NOISY.search(proc.stdout + proc.stderr)) == ("--verbose" in args), proc.stdout + proc.stderr

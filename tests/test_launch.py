@@ -25,7 +25,13 @@ def dry(script, *args, **env):
 
 
 def test_mpirun_script_forwards_names_never_values():
-    env = {"AWS_SECRET_ACCESS_KEY": S3_SECRET, "NCCL_DEBUG": "INFO", "HOROVOD_TIMELINE": "/tmp/t", "TF_X": "1"}
+    env = {
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "NCCL_DEBUG": "INFO",
+        "HOROVOD_TIMELINE": "/tmp/t",
+        "TF_X": "1",
+        "HVD_TRAIN_VERBOSE": "1",
+    }
     cmd = dry(
         "mpirun.sh", "--np", "4", "-H", "a:2,b:2", "--network-interface", "eth1", "--", "train", "--data", "d", **env
     )
