@@ -132,9 +132,9 @@ def release(held: list) -> None:
     wake-up may come before the flag the thread checks is set): then the
     iterator's owner waits out the rest of the period. At the end of the
     demo that was 29-34 s in about half of the runs, the other rank waiting
-    in its next collective. The destructor releases
-    the GIL, so a daemon thread can do the waiting while the run goes on;
-    nothing waits for it at exit.
+    in its next collective. The destructor releases the GIL, so a daemon
+    thread can do the waiting while the run goes on; nothing waits for it
+    at exit.
     """
     threading.Thread(target=held.clear, name="release-input", daemon=True).start()
 
