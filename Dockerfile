@@ -1,6 +1,7 @@
-# hvd_train image. GPU by default (NVIDIA's CUDA 12.5 + cuDNN 9 images;
-# Horovod with NCCL, MPI and Gloo; not built by our CI: docs/launching.md);
-# CPU (Debian 13, Python 3.13) with
+# hvd_train image: Debian 13 with its Python 3.13, Open MPI, TensorFlow +
+# tf-keras and Horovod (MPI, Gloo). GPU by default: TensorFlow's CUDA
+# libraries and Horovod with NCCL, all from PyPI's wheels (`make gpu-image`;
+# needs an NVIDIA driver >= 580: docs/launching.md). CPU only with
 #   DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
 # Both install through launch/install.sh, the script `make demo` / `make test`
 # use. The runtime stage has no compilers; it runs as the user hvd and its
@@ -13,25 +14,22 @@
 # Only the download steps mount it (at /run/secrets/ca); no layer keeps it.
 # Without a registry, make the base image first: launch/base-image.sh.
 ARG VARIANT=gpu
-ARG CUDA_TAG=12.5.1-cudnn
 
 # --- build stages: compilers, headers, the Horovod build ----------------------
-FROM nvidia/cuda:${CUDA_TAG}-devel-ubuntu22.04 AS build-gpu
-ENV HVD_TRAIN_GPU=1 PYTHON=python3.11 \
-    HOROVOD_CUDA_HOME=/usr/local/cuda HOROVOD_NCCL_LINK=SHARED
-RUN --mount=type=secret,id=ca \
-    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
-    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
-        python3.11 python3.11-dev python3.11-venv ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-
-FROM debian:trixie-slim AS build-cpu
-ENV HVD_TRAIN_GPU=0 PYTHON=python3
+# (The GPU build takes its CUDA compiler from PyPI's wheels inside
+# launch/install.sh, for the build only.)
+FROM debian:trixie-slim AS build-base
+ENV PYTHON=python3
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
     && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3 python3-dev python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
+
+FROM build-base AS build-cpu
+ENV HVD_TRAIN_GPU=0
+FROM build-base AS build-gpu
+ENV HVD_TRAIN_GPU=1
 
 # hadolint ignore=DL3006
 FROM build-${VARIANT} AS build
@@ -55,19 +53,19 @@ RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
     HVD_TRAIN_CA_BUNDLE=/run/secrets/ca bash launch/install.sh
 
 # --- runtime stages: Python, Open MPI and sshd, no compilers ------------------
-FROM nvidia/cuda:${CUDA_TAG}-runtime-ubuntu22.04 AS runtime-gpu
-RUN --mount=type=secret,id=ca \
-    ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
-    && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
-        python3.11 libpython3.11 openmpi-bin libopenmpi3 openssh-client openssh-server iproute2 ca-certificates \
-    && rm -rf /var/lib/apt/lists/*
-
-FROM debian:trixie-slim AS runtime-cpu
+FROM debian:trixie-slim AS runtime-base
 RUN --mount=type=secret,id=ca \
     ca=/run/secrets/ca; if [ -s "$ca" ]; then set -- -o "Acquire::https::CAInfo=$ca"; fi \
     && apt-get "$@" update && DEBIAN_FRONTEND=noninteractive apt-get "$@" install -y --no-install-recommends \
         python3 libpython3.13 openmpi-bin libopenmpi40 openssh-client openssh-server iproute2 ca-certificates \
     && rm -rf /var/lib/apt/lists/*
+
+FROM runtime-base AS runtime-cpu
+# The CUDA libraries are in the venv (TensorFlow's and-cuda wheels); the
+# driver's come from the host through the NVIDIA Container Toolkit, which
+# these variables ask for (as NVIDIA's own images do).
+FROM runtime-base AS runtime-gpu
+ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 # hadolint ignore=DL3006
 FROM runtime-${VARIANT} AS runtime

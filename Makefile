@@ -5,7 +5,7 @@ export HVD_TRAIN_VENV := $(abspath $(VENV))
 BIN := $(HVD_TRAIN_VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-docker test-fast lint clean
+.PHONY: install demo test test-docker test-fast gpu-image lint clean
 
 install:
 	bash launch/install.sh
@@ -26,6 +26,18 @@ test: install
 # The Docker image, built from this checkout and run (root; installs docker.io).
 test-docker: install
 	$(BIN)/python -m pytest -m docker tests/test_docker.py $(PYTEST_ARGS)
+
+# The GPU image, CUDA and NCCL from PyPI's wheels (longer than CI allows:
+# docs/launching.md), then its Horovod's own check, which must list NCCL.
+# CA_BUNDLE: the CA bundle the build's downloads trust (a BuildKit secret).
+CA_BUNDLE ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+GPU_IMAGE ?= hvd-train:gpu
+comma := ,
+gpu-image:
+	bash launch/base-image.sh
+	DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=gpu $(if $(CA_BUNDLE),--secret id=ca$(comma)src=$(CA_BUNDLE)) -t $(GPU_IMAGE) .
+	docker run --rm --entrypoint horovodrun $(GPU_IMAGE) --check-build | tee /dev/stderr | grep '\[X\] NCCL' >/dev/null
+	docker image ls $(GPU_IMAGE)
 
 # Unit tests only: no horovodrun / mpirun jobs.
 test-fast: install

