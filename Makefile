@@ -32,12 +32,13 @@ test-docker: install
 # CA_BUNDLE: the CA bundle the build's downloads trust (a BuildKit secret).
 CA_BUNDLE ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
 GPU_IMAGE ?= hvd-train:gpu
+DOCKER ?= docker
 comma := ,
 gpu-image:
-	bash launch/base-image.sh
-	DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=gpu $(if $(CA_BUNDLE),--secret id=ca$(comma)src=$(CA_BUNDLE)) -t $(GPU_IMAGE) .
-	docker run --rm --entrypoint horovodrun $(GPU_IMAGE) --check-build | tee /dev/stderr | grep '\[X\] NCCL' >/dev/null
-	docker image ls $(GPU_IMAGE)
+	DOCKER=$(DOCKER) bash launch/base-image.sh
+	DOCKER_BUILDKIT=1 $(DOCKER) build --build-arg VARIANT=gpu $(if $(CA_BUNDLE),--secret id=ca$(comma)src=$(CA_BUNDLE)) -t $(GPU_IMAGE) .
+	$(DOCKER) run --rm --entrypoint horovodrun $(GPU_IMAGE) --check-build | awk '{ print } /\[X\] NCCL/ { ok = 1 } END { exit !ok }'
+	$(DOCKER) image ls $(GPU_IMAGE)
 
 # Unit tests only: no horovodrun / mpirun jobs.
 test-fast: install
