@@ -284,8 +284,13 @@ def test_install_script_refuses_a_gpu_build_it_cannot_make(tmp_path):
     assert proc.returncode == 2 and "HVD_TRAIN_GPU=yes: use 1 for a GPU build" in proc.stderr, output_of(proc)
     toolkit = tmp_path / "cuda"
     (toolkit / "bin").mkdir(parents=True)
-    proc = run(["bash", LAUNCH / "install.sh"], timeout=60, HVD_TRAIN_GPU="1", HOROVOD_CUDA_HOME=str(toolkit),
-               HVD_TRAIN_VENV=str(venv))
+    proc = run(
+        ["bash", LAUNCH / "install.sh"],
+        timeout=60,
+        HVD_TRAIN_GPU="1",
+        HOROVOD_CUDA_HOME=str(toolkit),
+        HVD_TRAIN_VENV=str(venv),
+    )
     assert proc.returncode == 2, output_of(proc)
     assert f"HOROVOD_CUDA_HOME={toolkit} has no working bin/nvcc" in proc.stderr and "unset it" in proc.stderr
     assert not venv.exists()  # refused before installing anything
