@@ -78,7 +78,9 @@ case "$gpu" in
     ;;
 esac
 cuda_release=$CUDA_RELEASE
+cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA_CC_LIST}
 if [[ "$gpu" == 1 && -n "${HOROVOD_CUDA_HOME:-}" ]]; then
+  cc_list=${HOROVOD_BUILD_CUDA_CC_LIST:-all}
   cuda_release=$({ "$HOROVOD_CUDA_HOME/bin/nvcc" --version 2>/dev/null || true; } | sed -n 's/.*release \([0-9.]*\),.*/\1/p')
   if [[ -z "$cuda_release" ]]; then
     printf '[install] HOROVOD_CUDA_HOME=%s has no working bin/nvcc; point it at a CUDA toolkit, or unset it to build with the CUDA %s compiler from PyPI\n' \
@@ -159,7 +161,13 @@ fi
 
 # --- 5. Horovod, built once per (Horovod + patch, TensorFlow, Python, MPI, GPU) ---
 variant=cpu
-[[ "$gpu" == 1 ]] && variant=nccl-cuda$cuda_release
+if [[ "$gpu" == 1 ]]; then
+  # Also what a GPU build chooses beyond versions: its architectures, and an
+  # NCCL of the user's own (its folder, digested), so neither meets a wheel
+  # built otherwise.
+  variant=nccl-cuda$cuda_release-cc${cc_list//,/.}
+  [[ -n "${HOROVOD_NCCL_HOME:-}" ]] && variant+=-nccl$(printf '%s' "$HOROVOD_NCCL_HOME" | sha256sum | cut -c1-8)
+fi
 mpi_version=$(mpirun --version 2>/dev/null | sed -n '1s/.* //p')
 patch_id=$(sed -n '/^--- a\//,$p' "$HOROVOD_PATCH" | sha256sum | cut -c1-8) # its hunks, not its header
 cache=${HVD_TRAIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvd_train}
@@ -204,7 +212,7 @@ else
         log "horovod: CUDA $CUDA_RELEASE compiler from PyPI's wheels, for this build only"
         "${pip[@]}" install -q --no-deps --target "$tools" "${CUDA_COMPILER_WHEELS[@]}"
         export HOROVOD_CUDA_HOME=$tools/nvidia/cu13
-        export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-$CUDA_CC_LIST}
+        export HOROVOD_BUILD_CUDA_CC_LIST=$cc_list
         ln -s libcudart.so.13 "$HOROVOD_CUDA_HOME/lib/libcudart.so"
         ln -s lib "$HOROVOD_CUDA_HOME/lib64" # where nvcc.profile looks for libraries
       fi
