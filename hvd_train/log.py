@@ -97,6 +97,7 @@ def launcher_rank() -> tuple[int, int]:
         ("HOROVOD_RANK", "HOROVOD_SIZE"),
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
         ("PMI_RANK", "PMI_SIZE"),
+        ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),  # srun (PMIx sets no size of its own)
     ):
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var])

@@ -17,7 +17,7 @@ BIN = Path(sys.executable).parent
 HVD_TRAIN = [sys.executable, "-m", "hvd_train"]
 
 # What this machine must be able to do: a test that needs one of these fails
-# instead of skipping (CI sets HVD_TRAIN_REQUIRE=docker,netns,root, so a
+# instead of skipping (CI sets HVD_TRAIN_REQUIRE=docker,netns,root,slurm, so a
 # suite that skipped them all cannot pass).
 REQUIRED = {c.strip() for c in os.environ.get("HVD_TRAIN_REQUIRE", "").split(",") if c.strip()}
 

@@ -24,4 +24,5 @@ outcome = run.run(cfg, ctx)
 assert outcome.summary["world_size"] == ctx.size == int(os.environ.get("EXPECTED_SIZE", ctx.size))
 weights = outcome.model.get_weights()
 np.savez(os.path.join(dump_dir, f"weights-rank{ctx.rank}.npz"), *weights)
-print(f"rank {ctx.rank}/{ctx.size} dumped {len(weights)} arrays", flush=True)
+node = os.environ.get("SLURMD_NODENAME", "")  # set where SLURM started the process
+print(f"rank {ctx.rank}/{ctx.size} dumped {len(weights)} arrays" + (f" on node {node}" if node else ""), flush=True)

@@ -1,0 +1,184 @@
+"""launch/slurm.sbatch on a real SLURM cluster (tests/slurm.py: munge, slurmctld, two slurmd).
+
+The script is submitted as it is, with ``sbatch --wait`` on 2 nodes, one rank
+each: it trains to identical weights on both nodes with exact held-out counts,
+and each way SLURM stops a job (``scancel --signal=TERM``, the time limit's
+early ``--signal=B:USR1@N``, ``scontrol requeue``) ends in a checkpoint and
+exit 75; a requeued job resumes from it, and with --deterministic ends with
+the weights of the uninterrupted job.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import slurm
+from conftest import BIN, TINY, output_of, read_json, start, unavailable
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "launch" / "slurm.sbatch"
+DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
+EXIT_PREEMPTED = 75
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        with slurm.cluster(tmp_path_factory.mktemp("slurm")) as made:
+            yield made
+    except slurm.Unavailable as e:
+        unavailable("slurm", str(e))
+
+
+def train_args(data, out, samples, epochs=3):
+    return [
+        "--data", data, "--output", out, *TINY, "--epochs", str(epochs), "--val-split", "0.2",
+        "--deterministic", "--sample-log", samples,
+    ]  # fmt: skip
+
+
+def submit(cluster, folder, program, *sbatch_options, **env):
+    """``sbatch --wait [options] launch/slurm.sbatch -- PROGRAM`` from ``folder``; the job's log is job.log."""
+    command = ["sbatch", "--wait", "--parsable", "-D", folder, "-o", folder / "job.log", *sbatch_options, SCRIPT]
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", **cluster.env, **env}
+    return start([*command, "--", *program], **env)
+
+
+def finish(proc, cluster, folder, timeout=300):
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        cluster.run("scancel", "-u", "root", check=False)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"sbatch --wait did not return within {timeout} s\n{log_of(folder)}\n{cluster.logs()}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def log_of(folder):
+    path = folder / "job.log"
+    return path.read_text(errors="replace") if path.exists() else "(no job log)"
+
+
+def steps_done(samples, rank=0):
+    return sum(len(p.read_text().splitlines()) for p in Path(samples).glob(f"rank-{rank}-*.jsonl"))
+
+
+def wait_for_steps(proc, samples, steps, folder, timeout=240):
+    deadline = time.time() + timeout
+    while steps_done(samples) < steps:
+        assert proc.poll() is None, f"the job ended before step {steps}\n{log_of(folder)}"
+        assert time.time() < deadline, f"no step {steps} after {timeout} s\n{log_of(folder)}"
+        time.sleep(0.05)
+
+
+def stop_lines(log, how):
+    lines = [line for line in log.splitlines() if re.search(f"stopped by {how}", line)]
+    assert len(lines) == 2, log  # one per rank
+    match = re.search(r"checkpoint (\S+); rerun the same command to continue", lines[0])
+    assert match and all(match.group(0) in line for line in lines), log
+    assert "Traceback" not in log, log
+    return Path(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, demo_small, tmp_path_factory):
+    """The script as it is on 2 nodes; returns the run's weights digest."""
+    folder = tmp_path_factory.mktemp("straight")
+    dump = folder / "dump"
+    dump.mkdir()
+    out = folder / "run"
+    program = [DUMP, dump, *train_args(demo_small, out, folder / "samples")]
+    proc = finish(submit(cluster, folder, program, HVD_TRAIN=sys.executable, EXPECTED_SIZE="2"), cluster, folder)
+    log = log_of(folder)
+    assert proc.returncode == 0, f"{output_of(proc)}\n{log}"
+    # The ranks ran where SLURM put them, one on each node of the allocation.
+    assert sorted(re.findall(r"rank (\d)/2 dumped \d+ arrays on node (n\d)", log)) == [("0", "n1"), ("1", "n2")], log
+    assert "slurm.sbatch: job " in log and ": 2 rank(s) on n1,n2" in log, log
+    with np.load(dump / "weights-rank0.npz") as f0, np.load(dump / "weights-rank1.npz") as f1:
+        assert len(f0.files) == len(f1.files) > 100
+        assert all(np.array_equal(f0[k], f1[k]) for k in f0.files), "ranks ended with different weights"
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 2 and summary["weights_identical_across_ranks"] is True
+    assert summary["val_images"] == 25 and sum(map(sum, summary["val_confusion_matrix"])) == 25
+    return summary["weights_digest"]
+
+
+def test_the_script_as_it_is_trains_on_two_cpu_nodes(uninterrupted):
+    assert re.fullmatch(r"[0-9a-f]{16}", uninterrupted)
+
+
+@pytest.mark.parametrize("how", ["scancel --signal=TERM", "scontrol requeue"])
+def test_a_stop_from_slurm_checkpoints_and_the_requeued_job_ends_bit_identical(
+    how, cluster, demo_small, tmp_path, uninterrupted
+):
+    # scancel --signal=TERM signals the ranks and leaves the job running: the script requeues it
+    # (HVD_TRAIN_REQUEUE=1). scontrol requeue (an admin, a preemption in REQUEUE mode) signals the
+    # job and requeues it itself.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    env = {"HVD_TRAIN_REQUEUE": "1"} if how.startswith("scancel") else {}
+    proc = submit(cluster, tmp_path, ["train", *train_args(demo_small, out, samples)], **env)
+    wait_for_steps(proc, samples, 8, tmp_path)
+    job = proc_job_id(cluster)
+    cluster.run(*how.split(), job)
+    proc = finish(proc, cluster, tmp_path)
+    log = log_of(tmp_path)
+    assert proc.returncode == 0, f"{output_of(proc)}\n{log}"  # the requeued job's end
+    # SLURM's SIGTERM to the ranks, or the script's SIGUSR1 where the batch shell got it first.
+    checkpoint = stop_lines(log, "SIGTERM" if how.startswith("scancel") else "SIG(TERM|USR1)")
+    assert re.search(r"srun: error: n1: task 0: Exited with exit code 75", log), log
+    assert f"slurm.sbatch: job {job} (restart 1): 2 rank(s) on n1,n2" in log, log
+    assert f"resuming from {checkpoint}" in log, log
+    assert read_json(out / "summary.json")["weights_digest"] == uninterrupted, "not bit-identical"
+
+
+def proc_job_id(cluster):
+    jobs = cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    assert len(jobs) == 1, jobs
+    return jobs[0]
+
+
+def test_the_time_limit_signal_checkpoints_and_ends_the_job_with_75(cluster, demo_small, tmp_path):
+    # --time=1 with the signal 50 s before its end: SIGUSR1 to the script about 10 s in (SLURM
+    # looks at time limits every half minute or so), which passes it on to every rank.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    proc = submit(
+        cluster, tmp_path, ["train", *train_args(demo_small, out, samples, epochs=60)], "--time=1",
+        "--signal=B:USR1@50",
+    )  # fmt: skip
+    proc = finish(proc, cluster, tmp_path)
+    log = log_of(tmp_path)
+    assert proc.returncode == EXIT_PREEMPTED, f"{output_of(proc)}\n{log}"
+    checkpoint = stop_lines(log, "SIGUSR1")
+    assert "requeueing" not in log, log
+    from hvd_train.training import checkpoints
+
+    found = checkpoints.latest(str(out))
+    assert found is not None and Path(found.path) == checkpoint, "a resubmitted job resumes from it"
+
+
+def test_discover_slurm_leaves_out_a_drained_node(cluster):
+    env = {**os.environ, **cluster.env, "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "1"}
+
+    def discover():
+        done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert discover() == ["n1:1", "n2:1"]
+    cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
+    try:
+        assert discover() == ["n1:1"]
+    finally:
+        cluster.run("scontrol", "update", "nodename=n2", "state=resume")
+    cluster.wait_for("n2 back", lambda: cluster.node_states().get("n2") == "idle")
+    without = {k: v for k, v in env.items() if k != "SLURM_JOB_NODELIST"}
+    done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=without)
+    assert done.returncode != 0 and "inside a SLURM allocation" in done.stderr
