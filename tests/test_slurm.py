@@ -139,6 +139,31 @@ def test_a_stop_from_slurm_checkpoints_and_the_requeued_job_ends_bit_identical(
     assert read_json(out / "summary.json")["weights_digest"] == uninterrupted, "not bit-identical"
 
 
+def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_small, tmp_path):
+    # SIGTERM to every process of the job, SIGKILL after KillWait: a user's cancel, which
+    # HVD_TRAIN_REQUEUE=1 must not undo.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    proc = submit(cluster, tmp_path, ["train", *train_args(demo_small, out, samples)], HVD_TRAIN_REQUEUE="1")
+    wait_for_steps(proc, samples, 8, tmp_path)
+    job = proc_job_id(cluster)
+    cluster.run("scancel", job)
+    proc = finish(proc, cluster, tmp_path)
+    log = log_of(tmp_path)
+    # The script either says so, or SLURM ended it first. So may srun, which carries the ranks'
+    # output: SLURM signals the batch step too, and srun answers SIGTERM by ending the step, so
+    # the ranks' last lines may be lost; their checkpoint is not.
+    assert "requeueing" not in log and "(restart 1)" not in log and proc.returncode != 0, f"{output_of(proc)}\n{log}"
+    ended = cluster.wait_for("its end", lambda: (s := cluster.job_state(job)) != "COMPLETING" and s, interval=0.1)
+    state = ended
+    assert state == "CANCELLED", log
+    from hvd_train.training import checkpoints
+
+    found = checkpoints.latest(str(out))
+    assert found is not None and found.state.epoch_steps > 0, log  # written at the stop, mid-epoch
+    if "stopped by" in log:
+        assert stop_lines(log, "SIG(TERM|USR1)") == Path(found.path)
+
+
 def proc_job_id(cluster):
     jobs = cluster.run("squeue", "-h", "-o", "%i").stdout.split()
     assert len(jobs) == 1, jobs
