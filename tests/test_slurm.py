@@ -153,8 +153,7 @@ def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_s
     # output: SLURM signals the batch step too, and srun answers SIGTERM by ending the step, so
     # the ranks' last lines may be lost; their checkpoint is not.
     assert "requeueing" not in log and "(restart 1)" not in log and proc.returncode != 0, f"{output_of(proc)}\n{log}"
-    ended = cluster.wait_for("its end", lambda: (s := cluster.job_state(job)) != "COMPLETING" and s, interval=0.1)
-    state = ended
+    state = cluster.wait_for("its end", lambda: (s := cluster.job_state(job)) != "COMPLETING" and s, interval=0.1)
     assert state == "CANCELLED", log
     from hvd_train.training import checkpoints
 
