@@ -50,7 +50,7 @@ class BenchConfig:
         warmup_batches: steps before timing.
         batches_per_iter: steps per timed iteration.
         iters: timed iterations.
-        threads_per_rank: TensorFlow CPU threads per process (0: cores / local ranks).
+        threads_per_rank: TensorFlow CPU threads per process (0: usable CPUs / ranks sharing them).
         baseline: images/s of one worker, for the scaling efficiency (0: none).
     """
 

@@ -225,7 +225,7 @@ class HorovodConfig:
     Attributes:
         fp16_allreduce: compress gradients to float16 for the allreduce.
         grad_accum: backward passes accumulated per optimizer step.
-        threads_per_rank: TensorFlow CPU threads per process (0: cores / local ranks).
+        threads_per_rank: TensorFlow CPU threads per process (0: usable CPUs / ranks sharing them).
         elastic: run as an elastic Horovod job (``horovodrun --min-np/--max-np
             --host-discovery-script``): workers may leave or join mid-run.
         commit_every: elastic: commit the state in memory every N steps (and
@@ -246,7 +246,7 @@ class HorovodConfig:
 
     fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
     grad_accum: int = _opt(1, "--grad-accum", "backward passes per optimizer step (backward_passes_per_step)")
-    threads_per_rank: int = _opt(0, "--threads-per-rank", "CPU threads per process (0: cores / local ranks)")
+    threads_per_rank: int = _opt(0, "--threads-per-rank", "CPU threads per process (0: usable CPUs / ranks sharing)")
     elastic: bool = _opt(False, "--elastic", "elastic job: workers may leave or join (horovodrun --min-np/--max-np)")
     commit_every: int = _opt(20, "--commit-every", "elastic: commit the state in memory every N steps")
     elastic_batch: str = _opt(

@@ -17,7 +17,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train import (
+    compat,  # noqa: F401  (Keras 2 must be in place before Horovod)
+    cpus,
+)
 from hvd_train.errors import UserError
 
 T = TypeVar("T")
@@ -38,12 +41,14 @@ class Context:
         size: number of processes.
         local_rank: rank on this host; picks the GPU.
         local_size: processes on this host; divides the CPU cores.
+        cpu: CPU threads of this process and where the number came from (set by :func:`init`).
     """
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
+    cpu: cpus.Budget | None = None
 
     @property
     def is_root(self) -> bool:
@@ -200,11 +205,12 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
       from mpi4py's ``MPI.COMM_WORLD``, so MPI is set up with the thread
       support Horovod needs and ``MPI_Abort`` is at hand to stop every rank.
     * One GPU per local rank, with memory growth, when GPUs exist.
-    * CPU threads divided among the processes of a host, so N ranks on one
-      machine do not each start a thread per core.
+    * CPU threads from the CPUs the process may use (affinity mask, cgroup
+      quota: :mod:`hvd_train.cpus`), divided among the processes of a host
+      that share them, so N ranks do not each start a thread per core.
 
     Args:
-        threads_per_rank: TensorFlow threads per process (0: cores / local ranks).
+        threads_per_rank: TensorFlow threads per process (0: usable cores / local ranks sharing them).
         deterministic: TensorFlow op determinism (``--deterministic``).
 
     Returns:
@@ -230,6 +236,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
     else:
         hvd.init()
     ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+    ctx.cpu = cpus.budget(ctx.local_size, threads_per_rank)
 
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
@@ -261,8 +268,10 @@ def warn_ineffective(horovod_cfg, ctx: Context) -> None:
 
 
 def cpu_threads(ctx: Context, threads_per_rank: int = 0) -> int:
-    """CPU threads this process may use for its input pipeline."""
-    return threads_per_rank or max(1, (os.cpu_count() or 1) // ctx.local_size)
+    """CPU threads this process may use (TensorFlow's pools and the input pipeline)."""
+    if threads_per_rank:
+        return threads_per_rank
+    return (ctx.cpu or cpus.budget(ctx.local_size)).threads
 
 
 def distributed_optimizer(optimizer, *, fp16_allreduce: bool, grad_accum: int):

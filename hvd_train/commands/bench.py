@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--warmup-batches", type=int, default=10, help="steps before timing")
     parser.add_argument("--batches-per-iter", type=positive_int, default=10, help="steps per timed iteration")
     parser.add_argument("--iters", type=positive_int, default=10, help="timed iterations")
-    parser.add_argument("--threads-per-rank", type=int, default=0, help="CPU threads per process (0: cores / ranks)")
+    parser.add_argument("--threads-per-rank", type=int, default=0, help="CPU threads per process (0: auto)")
     parser.add_argument(
         "--baseline", default="", help="one worker's images/s, or the --json of a one-worker run: for the efficiency"
     )

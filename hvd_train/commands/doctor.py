@@ -71,6 +71,18 @@ def run(args: argparse.Namespace) -> int:
     if "gpu" in needs and not gpus:
         problems.append("no GPU is visible to TensorFlow; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
 
+    from hvd_train import cpus
+
+    local_ranks = _local_size()
+    found_cpus = cpus.budget(local_ranks)
+    print("cpus")
+    print(f"  machine     {found_cpus.machine_cpus}")
+    own = " (narrower than its parent's: set for this process alone)" if found_cpus.affinity_own else ""
+    print(f"  affinity    {found_cpus.affinity_cpus}{own}")
+    quota = found_cpus.cgroup_quota
+    print(f"  cgroup      {'no CPU quota' if quota is None else f'quota of {quota:g} CPUs'}")
+    print(f"  threads     {found_cpus.threads} per rank, from the {found_cpus.source} ({local_ranks} local rank(s))")
+
     print("network")
     interfaces = _interfaces()
     for name, addresses in interfaces.items():
@@ -148,6 +160,13 @@ def _local_rank() -> int:
         if var in os.environ:
             return int(os.environ[var])
     return 0
+
+
+def _local_size() -> int:
+    for var in ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 1
 
 
 def _interfaces() -> dict[str, list[str]]:

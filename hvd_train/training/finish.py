@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import compute, distributed, files, plots
+from hvd_train import compute, cpus, distributed, files, plots
 from hvd_train.classifier import Net
 from hvd_train.compat import keras
 from hvd_train.distributed import Context
@@ -91,6 +91,8 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "val_per_class_accuracy": dict(zip(job.classes, final.per_class_accuracy())) if final else None,
         "val_confusion_matrix": plots.confusion_to_json(final.confusion) if final else None,
         "world_size": ctx.size,
+        # Rank 0's CPU threads and where the number came from (affinity mask, cgroup quota).
+        "cpu": (ctx.cpu or cpus.budget(ctx.local_size)).to_json(),
         "batch_size": state.batch_size,
         "global_batch": state.global_batch,
         "steps_per_epoch": job.plan(ctx.size, state).steps_per_epoch,

@@ -1,0 +1,86 @@
+"""The CPUs a rank may use: its affinity mask and its cgroup's CPU quota, not the machine's count.
+
+Real limits on real processes: ``taskset`` for the mask; a cgroup made for
+the test (v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``, whichever this kernel
+mounts; root) for the quota. ``hvd-train doctor`` shows the choice, and a
+training run records it in ``summary.json``.
+"""
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, TINY, output_of, read_json, run, unavailable
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+
+HVD_TRAIN = [str(BIN / "hvd-train")]
+# TINY without its --threads-per-rank, so that the run picks its own number.
+at = TINY.index("--threads-per-rank")
+AUTO = TINY[:at] + TINY[at + 2 :]
+
+
+def doctor_cpus(prefix=()):
+    proc = run([*prefix, *HVD_TRAIN, "doctor"], timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    lines = proc.stdout.split("cpus\n", 1)[1].split("\nnetwork", 1)[0]
+    return dict(line.split(None, 1) for line in lines.splitlines())
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to leave one out")
+def test_a_taskset_mask_sets_the_threads(demo_small, tmp_path):
+    machine = os.cpu_count()
+    free = doctor_cpus()
+    assert free["affinity"] == str(machine) and free["threads"].startswith(f"{machine} per rank, from the affinity")
+    one = doctor_cpus(["taskset", "-c", "0"])
+    assert one["affinity"].startswith("1 (narrower than its parent's") and one["threads"].startswith("1 per rank")
+    out = tmp_path / "run"
+    proc = run(["taskset", "-c", "0", *HVD_TRAIN, "train", "--data", demo_small, "--output", out, *AUTO])
+    assert proc.returncode == 0, output_of(proc)
+    cpu = read_json(out / "summary.json")["cpu"]
+    assert cpu["threads"] == 1 and cpu["affinity_cpus"] == 1 and cpu["affinity_own"] is True, cpu
+    assert cpu["machine_cpus"] == machine and cpu["source"] == "affinity mask"
+
+
+def _read(path):
+    return path.read_text() if path.exists() else ""
+
+
+@pytest.fixture
+def one_cpu_cgroup():
+    """A cgroup limited to 1 CPU of quota; yields a command prefix that runs a program in it."""
+    if os.geteuid() != 0:
+        unavailable("root", "making a cgroup needs root")
+    name = f"hvd-cpus-{uuid.uuid4().hex[:6]}"
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        folder = v1 / name
+        folder.mkdir()
+        (folder / "cpu.cfs_period_us").write_text("100000")
+        (folder / "cpu.cfs_quota_us").write_text("100000")
+    elif "cpu" in _read(v2 / "cgroup.controllers").split():
+        folder = v2 / name
+        folder.mkdir()
+        (folder / "cpu.max").write_text("100000 100000")
+    else:
+        unavailable("root", "no cgroup CPU controller is mounted here")
+    try:
+        yield ["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "in-cgroup"]
+    finally:
+        for pid in (folder / "cgroup.procs").read_text().split():
+            os.kill(int(pid), 9)
+        folder.rmdir()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs for a quota below them")
+def test_a_cgroup_cpu_quota_sets_the_threads(one_cpu_cgroup, demo_small, tmp_path):
+    found = doctor_cpus(one_cpu_cgroup)
+    assert found["cgroup"] == "quota of 1 CPUs", found
+    assert found["threads"].startswith("1 per rank, from the cgroup quota"), found
+    out = tmp_path / "run"
+    proc = run([*one_cpu_cgroup, *HVD_TRAIN, "train", "--data", demo_small, "--output", out, *AUTO])
+    assert proc.returncode == 0, output_of(proc)
+    cpu = read_json(out / "summary.json")["cpu"]
+    assert cpu["threads"] == 1 and cpu["cgroup_quota"] == 1.0 and cpu["source"] == "cgroup quota", cpu
