@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (train, lr_find, evaluate, predict, report, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
+    # Run by main() before parsing; here for the list of commands only.
+    subparsers.add_parser(
+        "launch",
+        help="horovodrun with its arguments (hvd-train launch -np 4 hvd-train train ...), ending a stop "
+        "with the ranks' 75 instead of a traceback",
+    )
     for sub in subparsers.choices.values():
         sub.add_argument(
             "--verbose",
@@ -60,6 +66,11 @@ def _show_choices(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["launch"]:  # the launcher, not a rank: no TensorFlow, no rank set-up
+        from hvd_train import launcher
+
+        return launcher.main(given[1:])
     rank, size = log.launcher_rank()
     log.setup(rank, size)
     logger = log.get_logger()

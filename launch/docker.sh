@@ -100,7 +100,7 @@ case "$mode" in
       shift
       run_or_print "${cmd[@]}" --user "$user" "$image" demo --np "$np" "$@"
     else
-      run_or_print "${cmd[@]}" --user "$user" --entrypoint horovodrun "$image" -np "$np" --gloo hvd-train "$@"
+      run_or_print "${cmd[@]}" --user "$user" --entrypoint hvd-train "$image" launch -np "$np" --gloo hvd-train "$@"
     fi
     ;;
   worker)
@@ -114,7 +114,7 @@ case "$mode" in
     total=0
     IFS=, read -ra entries <<<"$hosts"
     for entry in "${entries[@]}"; do total=$((total + ${entry##*:})); done
-    run=(horovodrun -np "${np:-$total}" --gloo -H "$hosts" -p "$ssh_port")
+    run=(hvd-train launch -np "${np:-$total}" --gloo -H "$hosts" -p "$ssh_port")
     [[ -n "$iface" ]] && run+=(--network-interface "$iface")
     run_or_print "${cmd[@]}" -v "$ssh_dir:/home/hvd/.ssh:ro" --entrypoint "${run[0]}" "$image" \
       "${run[@]:1}" hvd-train "$@"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Launch hvd-train with horovodrun, on this host or across hosts over ssh.
+# Launch hvd-train with horovodrun (as `hvd-train launch`), on this host or
+# across hosts over ssh.
 #
 # Usage: launch/horovodrun.sh [options] [--] HVD_TRAIN_ARGS...
 #
@@ -23,6 +24,14 @@
 #   --blacklist-cooldown-range LO HI
 #                              a failed host may come back after LO..HI seconds
 #                              (default: never)
+#
+# Preemption: SIGTERM, SIGINT or SIGUSR1 to horovodrun (or to the whole
+# process group) reaches every rank: the ranks stop after the same step,
+# rank 0 writes a checkpoint, each rank prints one line, and this script
+# exits with 75 (rerun the same command to continue). Plain horovodrun
+# ends such a stop with a Python traceback of its own
+# ("RuntimeError: Horovod detected that one or more processes exited with
+# non-zero status ... Exit code: 75"), which `hvd-train launch` does not.
 #
 # horovodrun passes the whole environment (AWS_*, HOROVOD_*, NCCL_*, TF_*,
 # PYTHONPATH, ...) to every worker itself; hosts other than this one must
@@ -78,7 +87,8 @@ fi
 if [[ "$controller" == --gloo && ( -n "$hostfile" || "$hosts" == *,* ) ]]; then
   check_hostname_for_hosts
 fi
-cmd=(horovodrun -np "$np" "$controller" "${elastic[@]}")
+# hvd-train launch is horovodrun with its arguments, ending a stop with the ranks' 75 (not a traceback).
+cmd=(hvd-train launch -np "$np" "$controller" "${elastic[@]}")
 [[ -n "$hosts" ]] && cmd+=(-H "$hosts")
 [[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")
 [[ -n "$iface" ]] && cmd+=(--network-interface "$iface")

@@ -54,12 +54,12 @@ def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
     cmd = dry(
         "horovodrun.sh", "--np", "8", "-H", "g1:4,g2:4", "--network-interface", "ib0", "--", "train", "--data", "x"
     )
-    assert cmd == "horovodrun -np 8 --gloo -H g1:4\\,g2:4 --network-interface ib0 hvd-train train --data x"
+    assert cmd == "hvd-train launch -np 8 --gloo -H g1:4\\,g2:4 --network-interface ib0 hvd-train train --data x"
     cmd = dry("docker.sh", "box", "--np", "4", "--mount", "/data", "--", "train", "--data", "/data/x", AWS_PROFILE="p")
     assert "docker run --rm --network host" in cmd and "-v /data:/data" in cmd and "-e AWS_PROFILE" in cmd
     assert "--gpus" not in cmd  # no GPU here: the CPU image runs without
     me = f"{os.getuid()}:{os.getgid()}"
-    tail = "--entrypoint horovodrun hvd-train:latest -np 4 --gloo hvd-train train --data /data/x"
+    tail = "--entrypoint hvd-train hvd-train:latest launch -np 4 --gloo hvd-train train --data /data/x"
     assert cmd.endswith(f"--user {me} {tail}")
     cmd = dry("docker.sh", "box", "--gpus", "all", "--network", "none", "--np", "2", "--", "demo")
     assert "--network none" in cmd and "--gpus all" in cmd
@@ -98,7 +98,7 @@ def test_horovodrun_script_elastic_options():
         "x",
     )
     assert cmd.startswith(
-        "horovodrun -np 4 --gloo --min-np 2 --max-np 8 --host-discovery-script launch/discover-hosts.sh"
+        "hvd-train launch -np 4 --gloo --min-np 2 --max-np 8 --host-discovery-script launch/discover-hosts.sh"
     )
     assert "--elastic-timeout 120 --blacklist-cooldown-range 30 300 hvd-train train --elastic --data x" in cmd
     for bad, message in [

@@ -219,6 +219,26 @@ def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_pa
     check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None, launch_exit=EXIT_PREEMPTED)
 
 
+@pytest.mark.parametrize("how", ["process group", "launcher alone"])
+def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how, demo_small, tmp_path, uninterrupted):
+    # Plain horovodrun prints a RuntimeError traceback for the ranks' 75; the script runs it as
+    # `hvd-train launch`, which ends with their 75 alone. The script execs the launcher, so the
+    # group is the launcher's (the ranks sit in a session of their own): both reach the ranks
+    # through horovodrun.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    program = options(demo_small, out, samples)[3:]
+    command = ["bash", REPO / "launch/horovodrun.sh", "--np", "2", "--", *program]
+    proc = start(command, HVD_TRAIN=str(BIN / "hvd-train"), PATH=f"{BIN}:{os.environ['PATH']}")
+    at = wait_for_steps(proc, samples, 8)
+    if how == "process group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
+    proc = finish(proc)
+    assert "+ hvd-train launch -np 2 --gloo" in proc.stderr, output_of(proc)
+    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None, launch_exit=EXIT_PREEMPTED)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_single(demo_small, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight-single")
