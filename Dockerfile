@@ -75,7 +75,9 @@ COPY launch/ /opt/hvd_train/launch/
 # The user hvd, whose home is the working folder: open to other uids too
 # (box runs --user <caller>; Debian 13's useradd makes homes 0700). sshd for
 # multi-node launches (launch/docker.sh worker, the MPI Operator): runs as hvd
-# on port 12345 with a host key made at build time.
+# on port 12345 with a host key made at build time. ssh from the image goes to
+# that port by default (ssh_config.d): the MPI Operator sets
+# OMPI_MCA_plm_rsh_args itself, so a port given there would be lost.
 RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
     && chmod 755 /home/hvd \
     && mkdir -p /etc/ssh/hvd /run/sshd \
@@ -83,7 +85,9 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
     && chown -R hvd:hvd /etc/ssh/hvd \
     && printf '%s\n' 'Port 12345' 'HostKey /etc/ssh/hvd/ssh_host_ed25519_key' 'PidFile /tmp/sshd.pid' \
         'UsePAM no' 'PasswordAuthentication no' 'StrictModes no' 'AuthorizedKeysFile .ssh/authorized_keys' \
-        'AcceptEnv AWS_* HOROVOD_* NCCL_* TF_*' > /etc/ssh/sshd_config_hvd
+        'AcceptEnv AWS_* HOROVOD_* NCCL_* TF_*' > /etc/ssh/sshd_config_hvd \
+    && printf '%s\n' 'Host *' '    Port 12345' '    StrictHostKeyChecking no' '    UserKnownHostsFile /dev/null' \
+        '    LogLevel ERROR' > /etc/ssh/ssh_config.d/hvd.conf
 ENV PATH=/opt/hvd_train/venv/bin:$PATH \
     TF_USE_LEGACY_KERAS=1 \
     OMPI_MCA_plm_rsh_args="-p 12345 -o StrictHostKeyChecking=no"

@@ -56,6 +56,13 @@ done
 [[ "$iface" != lo ]] || die "--network-interface lo: workers on other hosts cannot reach each other over loopback"
 case "$bind" in none | core | socket) ;; *) die "--bind-to $bind: use none, core or socket" ;; esac
 
+# The MPI Operator names its hostfile in OMPI_MCA_orte_default_hostfile, an
+# Open MPI 4 setting that Open MPI 5 ignores (it would start every rank on
+# the launcher): pass it on explicitly.
+if [[ -z "$hostfile$hosts" && -n "${OMPI_MCA_orte_default_hostfile:-}" ]]; then
+  hostfile=$OMPI_MCA_orte_default_hostfile
+  [[ -r "$hostfile" ]] || die "OMPI_MCA_orte_default_hostfile=$hostfile cannot be read"
+fi
 cmd=(mpirun)
 [[ -n "$np" ]] && cmd+=(-np "$np")
 [[ -n "$hostfile" ]] && cmd+=(--hostfile "$hostfile")

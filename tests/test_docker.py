@@ -253,3 +253,135 @@ def test_a_container_trains_from_the_loopback_s3_server_with_credentials_by_name
                 assert S3_SECRET.encode() not in path.read_bytes(), path
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- launch/k8s/mpijob.yaml, replayed as the MPI Operator (v2beta1) runs it ---
+#
+# No Kubernetes control plane can run here, so this test does with Docker what the operator does
+# with pods (kubeflow/mpi-operator, pkg/controller/mpi_job_controller.go): workers named
+# <job>-worker-<i>, reachable as <job>-worker-<i>.<job>.<namespace>.svc; a hostfile of those
+# names at /etc/mpi/hostfile; an ssh key pair (a Secret: id_rsa, id_rsa.pub, authorized_keys,
+# mode 0644, owned by root) at sshAuthMountPath in every pod; the launcher's environment
+# (OMPI_MCA_orte_default_hostfile, OMPI_MCA_plm_rsh_args="-o ConnectionAttempts=10", ...) after
+# the template's own. Each container runs its template's command and args, as its user and with
+# its CPU limit; the launcher's hvd-train arguments are swapped for a tiny run, and --np for 2.
+MPIJOB = REPO / "launch" / "k8s" / "mpijob.yaml"
+
+
+def mpijob_replay_parts(folder: Path, data: Path):
+    import yaml
+
+    job = yaml.safe_load(MPIJOB.read_text())
+    name, specs = job["metadata"]["name"], job["spec"]["mpiReplicaSpecs"]
+    workers = specs["Worker"]["replicas"]
+    keys = folder / "ssh"
+    keys.mkdir()
+    sh("ssh-keygen", "-q", "-t", "ecdsa", "-b", "521", "-m", "PEM", "-N", "", "-f", keys / "id_rsa")
+    shutil.copy(keys / "id_rsa.pub", keys / "authorized_keys")
+    for f in keys.iterdir():
+        f.chmod(0o644)
+    (folder / "mpi").mkdir()
+    names = [f"{name}-worker-{i}" for i in range(workers)]
+    (folder / "mpi" / "hostfile").write_text("".join(f"{n}.{name}.default.svc slots=1\n" for n in names))
+    runs = folder / "runs"
+    runs.mkdir()
+    shutil.copytree(data, runs / "data")
+    # Where each rank ran: the launcher's HVD_TRAIN (launch/mpirun.sh's program) notes it first.
+    (runs / "rank.sh").write_text('#!/bin/sh\nhostname > "/runs/host-$OMPI_COMM_WORLD_RANK"\nexec hvd-train "$@"\n')
+    (runs / "rank.sh").chmod(0o755)
+    sh("chown", "-R", "1000:1000", runs)
+
+    def container(role):
+        template = specs[role]["template"]["spec"]
+        [c] = template["containers"]
+        user = template.get("securityContext", {})
+        opts = ["--user", f"{user.get('runAsUser', 1000)}:{user.get('runAsGroup', 1000)}"]
+        opts += ["-v", f"{keys}:{job['spec']['sshAuthMountPath']}:ro", "-v", f"{runs}:/runs"]
+        opts += ["-e", f"K_MPI_JOB_ROLE={role.lower()}"]
+        for e in c.get("env", []):
+            opts += ["-e", f"{e['name']}={e['value']}"]
+        cpu = c.get("resources", {}).get("limits", {}).get("cpu")
+        if cpu:
+            opts += ["--cpus", str(cpu)]
+        return opts, c["command"], c.get("args", [])
+
+    worker_opts, worker_cmd, worker_args = container("Worker")
+    launcher_opts, launcher_cmd, launcher_args = container("Launcher")
+    launcher_opts += ["-v", f"{folder / 'mpi'}:/etc/mpi:ro", "-e", "HVD_TRAIN=/runs/rank.sh"]
+    for env in (
+        "OMPI_MCA_orte_keep_fqdn_hostnames=true",
+        "OMPI_MCA_orte_default_hostfile=/etc/mpi/hostfile",
+        "OMPI_MCA_plm_rsh_args=-o ConnectionAttempts=10",
+        f"OMPI_MCA_orte_set_default_slots={job['spec']['slotsPerWorker']}",
+    ):
+        launcher_opts += ["-e", env]
+    at = launcher_args.index("--")
+    options = launcher_args[:at]
+    options[options.index("--np") + 1] = str(workers)
+    tiny = ["train", "--data", "/runs/data", "--output", "/runs/run", *TINY, "--val-split", "0.2", "--epochs", "2",
+            "--deterministic", "--sample-log", "/runs/samples"]  # fmt: skip
+    return name, names, (worker_opts, worker_cmd, worker_args), (launcher_opts, launcher_cmd, [*options, "--", *tiny])
+
+
+def test_the_mpijob_replayed_with_containers_trains_and_a_stopped_launcher_resumes(docker, image, demo_small):
+    tag = uuid.uuid4().hex[:6]
+    folder = Path("/tmp") / f"hvd-mpijob-{tag}"
+    folder.mkdir()
+    name, workers, worker, launcher = mpijob_replay_parts(folder, demo_small)
+    network = f"hvd-mpijob-{tag}"
+    sh(docker, "network", "create", network)
+    started = []
+
+    def run_container(cname, opts, cmd, args, detach=True):
+        alias = f"{cname}.{name}.default.svc"
+        started.append(cname)
+        return sh(docker, "run", *(["-d"] if detach else []), "--name", cname, "--hostname", cname,
+                  "--network", network, "--network-alias", alias, *opts, "--entrypoint", cmd[0], image,
+                  *cmd[1:], *args, timeout=900, check=False)  # fmt: skip
+
+    try:
+        for w in workers:
+            proc = run_container(w, *worker)
+            assert proc.returncode == 0, output_of(proc)
+        proc = run_container(f"{name}-launcher", *launcher, detach=False)
+        logs = "\n".join(sh(docker, "logs", w, check=False).stderr[-2000:] for w in workers)
+        assert proc.returncode == 0, f"{output_of(proc)}\n--- workers\n{logs}"
+        summary = read_json(folder / "runs" / "run" / "summary.json")
+        assert summary["world_size"] == 2 and summary["weights_identical_across_ranks"] is True
+        assert summary["val_images"] == 25
+        ran_on = sorted((folder / "runs" / f"host-{r}").read_text().strip() for r in range(2))
+        assert ran_on == workers, f"the ranks ran on {ran_on}, not on the workers\n{output_of(proc)}"
+
+        # Preemption as Kubernetes does it: SIGTERM to the launcher's first process, SIGKILL after
+        # the grace period (docker stop -t); the operator then starts a new launcher (restartPolicy
+        # OnFailure) while the workers keep running.
+        sh(docker, "rm", f"{name}-launcher")
+        opts, cmd, args = launcher
+        args = [a.replace("/runs/run", "/runs/run2").replace("/runs/samples", "/runs/samples2") for a in args]
+        first = run_container(f"{name}-launcher", opts, cmd, args)
+        assert first.returncode == 0, output_of(first)
+        samples = folder / "runs" / "samples2"
+        deadline = time.time() + 300
+        while sum(len(p.read_text().splitlines()) for p in samples.glob("rank-0-*.jsonl")) < 8:
+            assert time.time() < deadline, sh(docker, "logs", f"{name}-launcher", check=False).stderr[-3000:]
+            time.sleep(0.05)
+        t0 = time.time()
+        sh(docker, "stop", "-t", "60", f"{name}-launcher", timeout=120)
+        stopped = sh(docker, "wait", f"{name}-launcher").stdout.strip()
+        print(f"docker stop of the launcher to its exit: {time.time() - t0:.1f} s")
+        log = sh(docker, "logs", f"{name}-launcher").stderr
+        assert stopped == "75", f"exit {stopped}\n{log[-4000:]}"
+        lines = [line for line in log.splitlines() if "stopped by SIGUSR1" in line]
+        assert len(lines) == 2 and "Traceback" not in log, log[-4000:]
+        checkpoint = re.search(r"checkpoint (\S+); rerun the same command", lines[0]).group(1)
+        sh(docker, "rm", f"{name}-launcher")
+        t0 = time.time()
+        again = run_container(f"{name}-launcher", opts, cmd, args, detach=False)
+        print(f"new launcher to the end of the resumed run: {time.time() - t0:.1f} s")
+        assert again.returncode == 0 and f"resuming from {checkpoint}" in again.stderr, output_of(again)
+        resumed = read_json(folder / "runs" / "run2" / "summary.json")
+        assert resumed["weights_digest"] == summary["weights_digest"], "the resumed run is not bit-identical"
+    finally:
+        sh(docker, "rm", "-f", *started, check=False)
+        sh(docker, "network", "rm", network, check=False)
+        shutil.rmtree(folder, ignore_errors=True)
