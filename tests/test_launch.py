@@ -215,6 +215,25 @@ def test_mpijob_manifest_is_a_valid_v2beta1_mpijob():
     assert all(e["name"] != "AWS_SECRET_ACCESS_KEY" for e in launcher.get("env", []))
 
 
+def test_mpijob_pod_templates_pass_the_kubernetes_schema_strictly():
+    # kubernetes-validate holds the Kubernetes API's own schemas; no package holds the MPIJob
+    # CRD's, so its pod templates are checked as the PodTemplates they become (strict: an unknown
+    # or misspelt field fails), and the MPIJob's own fields above and by the replay in test_docker.
+    import kubernetes_validate
+
+    job = yaml.safe_load((LAUNCH / "k8s" / "mpijob.yaml").read_text())
+    for role, spec in job["spec"]["mpiReplicaSpecs"].items():
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()}}
+        pod["template"] = spec["template"]
+        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+    # A misspelt field, as a hand edit would make it, fails.
+    spec = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]
+    spec["spec"]["containers"][0]["volumeMount"] = spec["spec"]["containers"][0].pop("volumeMounts")
+    broken = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "w"}, "template": spec}
+    with pytest.raises(kubernetes_validate.ValidationError, match="volumeMount"):
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+
+
 def test_dockerfile_uses_the_shared_install_script():
     text = (REPO / "Dockerfile").read_text()
     assert "bash launch/install.sh" in text and 'ENTRYPOINT ["hvd-train"]' in text
