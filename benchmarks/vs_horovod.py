@@ -4,11 +4,14 @@
 
 PATH is examples/tensorflow2/tensorflow2_keras_synthetic_benchmark.py from a
 checkout of https://github.com/horovod/horovod (it is not in Horovod's
-package). Both run the same model (keras.applications, 224 px, 1000
-classes, from random weights), batch and iterations, on one core per rank:
+package). Both run the same model (keras.applications, 1000 classes, from
+random weights), image size, batch and iterations, on one core per rank:
 np=1 under `taskset -c 0`, np=2 under `mpirun --bind-to core`. Horovod's
 script imports `keras`, which must be Keras 2 here: it is started with
-`keras` resolving to tf_keras, nothing else changed.
+`keras` resolving to tf_keras; for an --image-size other than its fixed
+224 px, its model and random batch are made at that size, nothing else
+changed. hvd-train picks its own thread count (one per bound core) unless
+--threads-per-rank is given.
 
 Prints Markdown; benchmarks/RESULTS.md keeps the recorded runs.
 """
@@ -34,10 +37,29 @@ ENV = dict(
     TF_NUM_INTRAOP_THREADS="1",
     TF_NUM_INTEROP_THREADS="2",
 )
-SHIM = (
-    "import runpy, sys; import tf_keras; sys.modules['keras'] = tf_keras; "
-    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-)
+# Runs Horovod's script with `keras` resolving to tf_keras and, for an image size other than
+# its fixed 224 px, its model and random batch at that size (HVD_BENCH_SIZE).
+SHIM = """
+import functools, os, runpy, sys
+import tf_keras
+sys.modules['keras'] = tf_keras
+size = int(os.environ.get('HVD_BENCH_SIZE', '224'))
+if size != 224:
+    import tensorflow as tf
+    for applications in (tf_keras.applications, tf.keras.applications):
+        for name in dir(applications):
+            if name[:1].isupper():
+                model = functools.partial(getattr(applications, name), input_shape=(size, size, 3))
+                setattr(applications, name, model)
+    uniform = tf.random.uniform
+    def sized(shape, *a, **k):
+        if list(shape)[1:] == [224, 224, 3]:
+            shape = [shape[0], size, size, 3]
+        return uniform(shape, *a, **k)
+    tf.random.uniform = sized
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name='__main__')
+"""
 
 
 def launcher(np_: int) -> list[str]:
@@ -51,15 +73,18 @@ def launcher(np_: int) -> list[str]:
 def horovods(example: str, np_: int, args) -> float:
     cmd = [*launcher(np_), sys.executable, "-c", SHIM, example, "--no-cuda", "--model", args.model]
     cmd += ["--batch-size", str(args.batch_size), "--num-batches-per-iter", "10", "--num-iters", str(args.iters)]
-    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, check=True).stdout
+    env = dict(ENV, HVD_BENCH_SIZE=str(args.image_size))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
     return float(re.search(r"Total img/sec on \d+ CPU\(s\): ([0-9.]+)", out).group(1))
 
 
 def ours(np_: int, args, work: Path) -> float:
     out = work / f"ours-{np_}.json"
     cmd = [*launcher(np_), str(BIN / "hvd-train"), "bench", "--mode", "synthetic", "--model", args.model]
-    cmd += ["--image-size", "224", "--batch-size", str(args.batch_size), "--classes", "1000", "--precision", "fp32"]
-    cmd += ["--threads-per-rank", "1", "--warmup-batches", "10", "--batches-per-iter", "10"]
+    cmd += ["--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--classes", "1000"]
+    cmd += ["--precision", "fp32", "--warmup-batches", "10", "--batches-per-iter", "10"]
+    if args.threads_per_rank:
+        cmd += ["--threads-per-rank", str(args.threads_per_rank)]
     cmd += ["--iters", str(args.iters - 1), "--json", str(out)]
     subprocess.run(cmd, env=ENV, capture_output=True, text=True, check=True)
     return json.loads(out.read_text())["results"]["synthetic"]["total"]
@@ -70,6 +95,10 @@ def main() -> int:
     parser.add_argument("--horovod-example", required=True, help="tensorflow2_keras_synthetic_benchmark.py")
     parser.add_argument("--model", default="MobileNetV2")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument(
+        "--threads-per-rank", type=int, default=0, help="hvd-train's threads (0: its choice from its CPUs)"
+    )
     parser.add_argument("--iters", type=int, default=10, help="Horovod's --num-iters (the first is its warm-up)")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -80,7 +109,8 @@ def main() -> int:
             results.setdefault(("horovod", np_), []).append(horovods(args.horovod_example, np_, args))
             results.setdefault(("hvd-train", np_), []).append(ours(np_, args, work))
     best = {k: max(v) for k, v in results.items()}
-    print(f"\n{args.model} 224 px, batch {args.batch_size}, fp32, one core per rank; best of {args.repeats}\n")
+    what = f"{args.model} {args.image_size} px, batch {args.batch_size}, fp32"
+    print(f"\n{what}, one core per rank; best of {args.repeats}\n")
     print("| | np=1 img/s | np=2 img/s | scaling np=1->2 |")
     print("|---|---|---|---|")
     for who in ("horovod", "hvd-train"):
