@@ -35,15 +35,6 @@ class Budget:
     def to_json(self) -> dict:
         return asdict(self)
 
-    def describe(self) -> str:
-        parts = [f"{self.affinity_cpus} of {self.machine_cpus} CPUs in the affinity mask"]
-        if self.affinity_own:
-            parts[0] += " (this rank's own)"
-        if self.cgroup_quota is not None:
-            parts.append(f"cgroup quota {self.cgroup_quota:g} CPUs")
-        here = f"{self.local_ranks} rank(s) here"
-        return f"{self.threads} thread(s) per rank from the {self.source}: {', '.join(parts)}, {here}"
-
 
 def _affinity(pid: int) -> set[int] | None:
     try:
