@@ -87,7 +87,7 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
         'UsePAM no' 'PasswordAuthentication no' 'StrictModes no' 'AuthorizedKeysFile .ssh/authorized_keys' \
         'AcceptEnv AWS_* HOROVOD_* NCCL_* TF_*' > /etc/ssh/sshd_config_hvd \
     && printf '%s\n' 'Host *' '    Port 12345' '    StrictHostKeyChecking no' '    UserKnownHostsFile /dev/null' \
-        '    LogLevel ERROR' > /etc/ssh/ssh_config.d/hvd.conf
+        > /etc/ssh/ssh_config.d/hvd.conf
 ENV PATH=/opt/hvd_train/venv/bin:$PATH \
     TF_USE_LEGACY_KERAS=1 \
     OMPI_MCA_plm_rsh_args="-p 12345 -o StrictHostKeyChecking=no"
