@@ -203,3 +203,21 @@ def cluster(root: Path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        _kill_the_rest(root)
+
+
+def _kill_the_rest(root: Path) -> None:
+    """Ends what outlives slurmd (step daemons of a cancelled job, their tasks): every process of this cluster.
+
+    Each of them has ``SLURM_CONF`` set to a file of this cluster's folder: the daemons and the
+    jobs submitted to them to the cluster's, a step daemon to its node's copy.
+    """
+    mine = f"SLURM_CONF={root}/".encode()
+    for folder in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (folder / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(v.startswith(mine) for v in environ) and int(folder.name) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(folder.name), signal.SIGKILL)
