@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 
-EXIT_PREEMPTED = 75  # preemption.EXIT_PREEMPTED, without importing TensorFlow here
+from hvd_train.training.preemption import EXIT_PREEMPTED  # imports neither TensorFlow nor Horovod
 
 # Horovod 0.28.1's words for a failed job: Gloo ("Exit code: N", the first rank to fail) and
 # MPI ("mpirun failed with exit code N").
