@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 
 from hvd_train import __version__, hostname, log
 from hvd_train.errors import UserError
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     if notice and rank == 0:
         logger.info("%s", notice)
+    if given[:1] == ["train"] and threading.current_thread() is threading.main_thread():
+        # From here on a stop signal is the first step's stop, not the end of a starting rank.
+        from hvd_train.training.preemption import note_from_start
+
+        note_from_start()
     args = build_parser().parse_args(argv)
     if args.verbose:  # before TensorFlow loads (hvd_train.compat), here and in what this command starts
         os.environ["HVD_TRAIN_VERBOSE"] = "1"

@@ -277,6 +277,31 @@ def test_a_third_stop_signal_ends_the_process_at_once(demo_small, tmp_path):
     assert "stopped by" not in proc.stderr, output_of(proc)
 
 
+def loading_tensorflow(pid):
+    """TensorFlow's library is mapped into the process: it is still starting (no step yet)."""
+    try:
+        return "tensorflow" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_a_stop_signal_while_a_rank_starts_up_is_the_first_steps_stop(demo_small, tmp_path):
+    # SLURM's time-limit signal (SIGUSR1 from the batch script) can reach a rank that is still
+    # importing TensorFlow; the default action of SIGUSR1 would end it at once (exit 138).
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    proc = start(options(demo_small, out, samples))
+    deadline = time.time() + 60
+    while not loading_tensorflow(proc.pid):
+        assert proc.poll() is None and time.time() < deadline, f"TensorFlow never loaded\n{finish(proc)}"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGUSR1)
+    proc = finish(proc)
+    assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
+    assert "stopped by SIGUSR1" in proc.stderr, output_of(proc)
+    assert len(sample_lines(samples)[0]) == 1, "one step, then the stop"
+    check_stopped_and_resume(proc, out, samples, {"epoch": 0, "step": 1}, None, rerun=None, ranks=1)
+
+
 def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_small, tmp_path):
     # Plain mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds
     # and SIGKILLs as long after. Its default, 1 s, makes the test a timing

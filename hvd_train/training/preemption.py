@@ -37,6 +37,9 @@ KILL_ON = 3
 
 log = get_logger("train")
 
+# Stop requests noted since a training rank started (``note_from_start``), until training takes them.
+_from_start: StopRequests | None = None
+
 
 class Preempted(Exception):
     """Every rank stopped on a signal after writing a checkpoint; the message says where."""
@@ -86,3 +89,23 @@ class StopRequests:
     @property
     def name(self) -> str:
         return signal.Signals(self.signal).name if self.signal else ""
+
+
+def note_from_start() -> None:
+    """Notes stop signals from a training rank's start-up on, before TensorFlow and Horovod load.
+
+    A scheduler's stop can come while a rank still starts (SLURM's time-limit
+    signal, a drained node): with the default handlers it would kill the rank
+    (exit 138 for SIGUSR1) and its launcher would report a crash. Noted here,
+    it is the first step boundary's stop, like any other.
+    """
+    global _from_start
+    if _from_start is None:
+        _from_start = StopRequests().install()
+
+
+def stop_requests() -> StopRequests:
+    """This rank's stop requests: those noted since start-up (``note_from_start``), else new ones."""
+    global _from_start
+    stop, _from_start = _from_start, None
+    return stop if stop is not None else StopRequests().install()

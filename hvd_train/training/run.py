@@ -20,7 +20,7 @@ from hvd_train.training.elastic import ElasticTraining
 from hvd_train.training.finish import Outcome, finish
 from hvd_train.training.job import History, Job
 from hvd_train.training.loop import Loop
-from hvd_train.training.preemption import Preempted, StopRequests
+from hvd_train.training.preemption import Preempted, StopRequests, stop_requests
 from hvd_train.training.stages import build_net, load_data, prepare_output, resolve_base_lr, start_state
 from hvd_train.training.state import TrainState
 
@@ -36,7 +36,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
         UserError: on every rank, for bad data, weights or options.
         Preempted: on every rank, after a signal, with a checkpoint written.
     """
-    stop = StopRequests().install()
+    stop = stop_requests()
     stopped = False
     try:
         if cfg.horovod.elastic:
