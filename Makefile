@@ -15,7 +15,7 @@ demo: install
 
 SHELL_SCRIPTS := launch/install.sh launch/_common.sh launch/mpirun.sh launch/horovodrun.sh launch/docker.sh \
 	launch/discover-hosts.sh launch/discover-slurm.sh launch/aws-spot-watch.sh \
-	launch/slurm.sbatch launch/base-image.sh .ci/run tests/launched/netns-agent
+	launch/slurm.sbatch launch/srun-ssh/ssh launch/base-image.sh .ci/run tests/launched/netns-agent
 
 test: install
 	$(BIN)/ruff check hvd_train tests benchmarks

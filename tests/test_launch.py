@@ -169,10 +169,9 @@ def test_aws_spot_watch_passes_the_interruption_notice_on_as_sigusr1():
         server.shutdown()
 
 
-def test_slurm_script_asks_for_an_early_signal_and_passes_it_on():
-    text = (LAUNCH / "slurm.sbatch").read_text()
-    assert "#SBATCH --signal=B:USR1@300" in text
-    assert "trap 'kill -USR1" in text and "scontrol requeue" in text
+def test_slurm_script_asks_for_an_early_signal():
+    # Five minutes for the checkpoint by default; tests/test_slurm.py passes the signal on for real.
+    assert "#SBATCH --signal=B:USR1@300" in (LAUNCH / "slurm.sbatch").read_text()
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ each: it trains to identical weights on both nodes with exact held-out counts,
 and each way SLURM stops a job (``scancel --signal=TERM``, the time limit's
 early ``--signal=B:USR1@N``, ``scontrol requeue``) ends in a checkpoint and
 exit 75; a requeued job resumes from it, and with --deterministic ends with
-the weights of the uninterrupted job.
+the weights of the uninterrupted job. An elastic job goes on without a node
+drained under it.
 """
 
 import os
@@ -171,14 +172,13 @@ def proc_job_id(cluster):
 
 
 def test_the_time_limit_signal_checkpoints_and_ends_the_job_with_75(cluster, demo_small, tmp_path):
-    # --time=2 with the signal 90 s before its end: SIGUSR1 to the script 30 to 60 s in (SLURM
-    # looks at time limits every half minute or so), which passes it on to every rank. Not sooner:
-    # a rank still importing TensorFlow has no handler yet, and a SIGUSR1 then ends it (exit 138,
-    # seen once with the signal 10 s in).
+    # --time=2 with the signal 110 s before its end: SIGUSR1 to the script 10 to 40 s in (SLURM
+    # looks at time limits every half minute or so), which passes it on to every rank, whether
+    # they train or still start up (tests/test_preemption.py has a stop during start-up).
     out, samples = tmp_path / "run", tmp_path / "samples"
     proc = submit(
         cluster, tmp_path, ["train", *train_args(demo_small, out, samples, epochs=100)], "--time=2",
-        "--signal=B:USR1@90",
+        "--signal=B:USR1@110",
     )  # fmt: skip
     proc = finish(proc, cluster, tmp_path)
     log = log_of(tmp_path)
@@ -209,3 +209,34 @@ def test_discover_slurm_leaves_out_a_drained_node(cluster):
     without = {k: v for k, v in env.items() if k != "SLURM_JOB_NODELIST"}
     done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=without)
     assert done.returncode != 0 and "inside a SLURM allocation" in done.stderr
+
+
+def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster, demo_small, tmp_path):
+    # The script runs Horovod's elastic driver in the batch step; it starts a worker on each usable
+    # node of the allocation (launch/discover-slurm.sh) as a step of the job (launch/srun-ssh).
+    # Both nodes are this machine here, so the workers meet over loopback.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    program = ["train", "--elastic", "--commit-every", "2", *train_args(demo_small, out, samples, epochs=6)]
+    proc = submit(cluster, tmp_path, program, HVD_TRAIN_LAUNCH_ARGS="--network-interface lo --elastic-timeout 60")
+    deadline = time.time() + 240
+    while steps_done(samples, rank=1) < 3:  # the worker on n2 trains
+        assert proc.poll() is None, f"the job ended before rank 1 trained\n{log_of(tmp_path)}"
+        assert time.time() < deadline, f"rank 1 did not train within 240 s\n{log_of(tmp_path)}"
+        time.sleep(0.05)
+    workers = cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.split("\n")
+    cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
+    try:
+        proc = finish(proc, cluster, tmp_path)
+    finally:
+        cluster.run("scontrol", "update", "nodename=n2", "state=resume")
+    cluster.wait_for("n2 back", lambda: cluster.node_states().get("n2") == "idle")
+    log = log_of(tmp_path)
+    assert proc.returncode == 0, f"{output_of(proc)}\n{log}"
+    # The workers were steps of the job, one on each node.
+    steps = sorted(line.split()[1] for line in workers if re.match(r"\d+\.\d+ ", line))
+    assert steps == ["n1", "n2"], (workers, log)
+    summary = read_json(out / "summary.json")
+    assert summary["world_sizes"] == [2, 1] and summary["world_size"] == 1, log
+    assert summary["val_images"] == 25 and sum(map(sum, summary["val_confusion_matrix"])) == 25
+    assert "elastic: training again on 1 worker(s)" in log, log
+    assert "Traceback" not in log, log
