@@ -24,8 +24,8 @@ from pathlib import Path
 
 NODES = ("n1", "n2")
 # SLURM starts a requeued job no sooner than this many seconds after (22.05: AuthInfo's
-# cred_expire, default 120 s); shorter here, so that a requeue test waits less.
-CRED_EXPIRE = 10
+# cred_expire, default 120 s); SLURM's smallest here, so that a requeue test waits less.
+CRED_EXPIRE = 5
 # MinJobAge=5 (seconds a finished job is kept): `sbatch --wait` polls every 2 s while it is
 # at most 5 (then 8 s, then 32 s: a finished job would be seen up to half a minute late).
 

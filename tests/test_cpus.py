@@ -6,7 +6,9 @@ mounts; root) for the quota. ``hvd-train doctor`` shows the choice, and a
 training run records it in ``summary.json``.
 """
 
+import contextlib
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -69,9 +71,22 @@ def one_cpu_cgroup():
     try:
         yield ["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "in-cgroup"]
     finally:
-        for pid in (folder / "cgroup.procs").read_text().split():
-            os.kill(int(pid), 9)
-        folder.rmdir()
+        # What is left of the runs (none, normally), then the cgroup once the kernel has let them go:
+        # rmdir right after the last process ended failed once with EBUSY.
+        deadline = time.time() + 30
+        while pids := (folder / "cgroup.procs").read_text().split():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), 9)
+            assert time.time() < deadline, f"processes {pids} stay in {folder}"
+            time.sleep(0.1)
+        while True:
+            try:
+                folder.rmdir()
+                break
+            except OSError:
+                assert time.time() < deadline, f"{folder} stays busy"
+                time.sleep(0.1)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs for a quota below them")

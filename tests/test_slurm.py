@@ -116,27 +116,35 @@ def test_the_script_as_it_is_trains_on_two_cpu_nodes(uninterrupted):
     assert re.fullmatch(r"[0-9a-f]{16}", uninterrupted)
 
 
-@pytest.mark.parametrize("how", ["scancel --signal=TERM", "scontrol requeue"])
-def test_a_stop_from_slurm_checkpoints_and_the_requeued_job_ends_bit_identical(
-    how, cluster, demo_small, tmp_path, uninterrupted
+def test_stops_from_slurm_checkpoint_and_the_requeued_job_ends_bit_identical(
+    cluster, demo_small, tmp_path, uninterrupted
 ):
-    # scancel --signal=TERM signals the ranks and leaves the job running: the script requeues it
-    # (HVD_TRAIN_REQUEUE=1). scontrol requeue (an admin, a preemption in REQUEUE mode) signals the
-    # job and requeues it itself.
+    # One job, stopped twice. scancel --signal=TERM signals the ranks and leaves the job running:
+    # the script requeues it (HVD_TRAIN_REQUEUE=1). Once it trains again, scontrol requeue (an
+    # admin, a preemption in REQUEUE mode) signals the job and requeues it itself.
     out, samples = tmp_path / "run", tmp_path / "samples"
-    env = {"HVD_TRAIN_REQUEUE": "1"} if how.startswith("scancel") else {}
-    proc = submit(cluster, tmp_path, ["train", *train_args(demo_small, out, samples)], **env)
-    wait_for_steps(proc, samples, 8, tmp_path)
+    proc = submit(cluster, tmp_path, ["train", *train_args(demo_small, out, samples)], HVD_TRAIN_REQUEUE="1")
+    wait_for_steps(proc, samples, 5, tmp_path)
     job = proc_job_id(cluster)
-    cluster.run(*how.split(), job)
+    cluster.run("scancel", "--signal=TERM", job)
+    cluster.wait_for("the requeued job", lambda: "(restart 1)" in log_of(tmp_path), timeout=120)
+    stopped = steps_done(samples)
+    wait_for_steps(proc, samples, stopped + 3, tmp_path)
+    cluster.run("scontrol", "requeue", job)
     proc = finish(proc, cluster, tmp_path)
     log = log_of(tmp_path)
-    assert proc.returncode == 0, f"{output_of(proc)}\n{log}"  # the requeued job's end
+    assert proc.returncode == 0, f"{output_of(proc)}\n{log}"  # the twice requeued job's end
+    lines = [line for line in log.splitlines() if "stopped by" in line]
+    assert len(lines) == 4 and all("stopped by SIGTERM" in line for line in lines[:2]), log  # one per rank and stop
     # SLURM's SIGTERM to the ranks, or the script's SIGUSR1 where the batch shell got it first.
-    checkpoint = stop_lines(log, "SIGTERM" if how.startswith("scancel") else "SIG(TERM|USR1)")
+    assert all(re.search("stopped by SIG(TERM|USR1)", line) for line in lines[2:]), log
+    checkpoints = [re.search(r"checkpoint (\S+); rerun the same command to continue", line).group(1) for line in lines]
+    assert checkpoints[0] == checkpoints[1] != checkpoints[2] == checkpoints[3], log
+    assert "Traceback" not in log, log
     assert re.search(r"srun: error: n1: task 0: Exited with exit code 75", log), log
-    assert f"slurm.sbatch: job {job} (restart 1): 2 rank(s) on n1,n2" in log, log
-    assert f"resuming from {checkpoint}" in log, log
+    for restart, checkpoint in ((1, checkpoints[0]), (2, checkpoints[2])):
+        assert f"slurm.sbatch: job {job} (restart {restart}): 2 rank(s) on n1,n2" in log, log
+        assert f"resuming from {checkpoint}" in log, log
     assert read_json(out / "summary.json")["weights_digest"] == uninterrupted, "not bit-identical"
 
 
