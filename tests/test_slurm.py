@@ -72,21 +72,27 @@ def steps_done(samples, rank=0):
     return sum(len(p.read_text().splitlines()) for p in Path(samples).glob(f"rank-{rank}-*.jsonl"))
 
 
-def wait_for_steps(proc, samples, steps, folder, timeout=240):
+def wait_for_steps(proc, samples, steps, folder, timeout=240, rank=0):
     deadline = time.time() + timeout
-    while steps_done(samples) < steps:
-        assert proc.poll() is None, f"the job ended before step {steps}\n{log_of(folder)}"
-        assert time.time() < deadline, f"no step {steps} after {timeout} s\n{log_of(folder)}"
+    while steps_done(samples, rank) < steps:
+        assert proc.poll() is None, f"the job ended before rank {rank}'s step {steps}\n{log_of(folder)}"
+        assert time.time() < deadline, f"no step {steps} of rank {rank} after {timeout} s\n{log_of(folder)}"
         time.sleep(0.05)
 
 
-def stop_lines(log, how):
-    lines = [line for line in log.splitlines() if re.search(f"stopped by {how}", line)]
-    assert len(lines) == 2, log  # one per rank
-    match = re.search(r"checkpoint (\S+); rerun the same command to continue", lines[0])
-    assert match and all(match.group(0) in line for line in lines), log
+def stop_lines(log, *hows):
+    """The checkpoint of each stop in the job log, in order; stop i was by signal ``hows[i]`` (a regex)."""
+    lines = [line for line in log.splitlines() if "stopped by" in line]
+    assert len(lines) == 2 * len(hows), log  # one per rank and stop
+    checkpoints = []
+    for i, how in enumerate(hows):
+        pair = lines[2 * i : 2 * i + 2]
+        assert all(re.search(f"stopped by {how}", line) for line in pair), log
+        match = re.search(r"checkpoint (\S+); rerun the same command to continue", pair[0])
+        assert match and all(match.group(0) in line for line in pair), log
+        checkpoints.append(Path(match.group(1)))
     assert "Traceback" not in log, log
-    return Path(match.group(1))
+    return checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +140,11 @@ def test_stops_from_slurm_checkpoint_and_the_requeued_job_ends_bit_identical(
     proc = finish(proc, cluster, tmp_path)
     log = log_of(tmp_path)
     assert proc.returncode == 0, f"{output_of(proc)}\n{log}"  # the twice requeued job's end
-    lines = [line for line in log.splitlines() if "stopped by" in line]
-    assert len(lines) == 4 and all("stopped by SIGTERM" in line for line in lines[:2]), log  # one per rank and stop
-    # SLURM's SIGTERM to the ranks, or the script's SIGUSR1 where the batch shell got it first.
-    assert all(re.search("stopped by SIG(TERM|USR1)", line) for line in lines[2:]), log
-    checkpoints = [re.search(r"checkpoint (\S+); rerun the same command to continue", line).group(1) for line in lines]
-    assert checkpoints[0] == checkpoints[1] != checkpoints[2] == checkpoints[3], log
-    assert "Traceback" not in log, log
+    # The second: SLURM's SIGTERM to the ranks, or the script's SIGUSR1 where the batch shell got it first.
+    first, second = stop_lines(log, "SIGTERM", "SIG(TERM|USR1)")
+    assert first != second, log
     assert re.search(r"srun: error: n1: task 0: Exited with exit code 75", log), log
-    for restart, checkpoint in ((1, checkpoints[0]), (2, checkpoints[2])):
+    for restart, checkpoint in ((1, first), (2, second)):
         assert f"slurm.sbatch: job {job} (restart {restart}): 2 rank(s) on n1,n2" in log, log
         assert f"resuming from {checkpoint}" in log, log
     assert read_json(out / "summary.json")["weights_digest"] == uninterrupted, "not bit-identical"
@@ -170,7 +172,7 @@ def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_s
     found = checkpoints.latest(str(out))
     assert found is not None and found.state.epoch_steps > 0, log  # written at the stop, mid-epoch
     if "stopped by" in log:
-        assert stop_lines(log, "SIG(TERM|USR1)") == Path(found.path)
+        assert stop_lines(log, "SIG(TERM|USR1)") == [Path(found.path)]
 
 
 def proc_job_id(cluster):
@@ -191,7 +193,7 @@ def test_the_time_limit_signal_checkpoints_and_ends_the_job_with_75(cluster, dem
     proc = finish(proc, cluster, tmp_path)
     log = log_of(tmp_path)
     assert proc.returncode == EXIT_PREEMPTED, f"{output_of(proc)}\n{log}"
-    checkpoint = stop_lines(log, "SIGUSR1")
+    [checkpoint] = stop_lines(log, "SIGUSR1")
     assert "requeueing" not in log, log
     from hvd_train.training import checkpoints
 
@@ -226,11 +228,7 @@ def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster
     out, samples = tmp_path / "run", tmp_path / "samples"
     program = ["train", "--elastic", "--commit-every", "2", *train_args(demo_small, out, samples, epochs=6)]
     proc = submit(cluster, tmp_path, program, HVD_TRAIN_LAUNCH_ARGS="--network-interface lo --elastic-timeout 60")
-    deadline = time.time() + 240
-    while steps_done(samples, rank=1) < 3:  # both workers train (the one started second too)
-        assert proc.poll() is None, f"the job ended before rank 1 trained\n{log_of(tmp_path)}"
-        assert time.time() < deadline, f"rank 1 did not train within 240 s\n{log_of(tmp_path)}"
-        time.sleep(0.05)
+    wait_for_steps(proc, samples, 3, tmp_path, rank=1)  # both workers train (the one started second too)
     workers = cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.split("\n")
     cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
     try:
