@@ -21,7 +21,7 @@ ALPHA_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
 DEFAULT_ALPHA_BACKGROUND = "white"
 
 
-def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> tf.Tensor:
+def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND, portable: bool = False) -> tf.Tensor:
     """Decodes JPEG/PNG/GIF/BMP bytes to an RGB uint8 tensor of shape (h, w, 3).
 
     Grayscale, palette, RGBA, CMYK and 16-bit images come out as 8-bit RGB;
@@ -30,6 +30,10 @@ def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> t
     GIFs) are composited over ``background`` (``white``, ``black`` or
     ``gray``) first: dropping the alpha channel would leave whatever colour
     the file happens to store under its transparent pixels.
+
+    ``portable``: TensorFlow operations only, for graphs saved to run
+    elsewhere (exports): a GIF's transparent pixels come out black, as
+    TensorFlow's GIF decoder paints them, instead of composited by Pillow.
     """
     value = ALPHA_BACKGROUNDS[background]
 
@@ -60,7 +64,7 @@ def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND) -> t
             (tf.equal(kind, "png"), png),
             # A 32-bit BMP whose fourth byte is 0 everywhere has no alpha (X8R8G8B8), as browsers read it.
             (tf.equal(kind, "bmp"), composited(zero_alpha_is_opaque=True)),
-            (tf.equal(kind, "gif"), gif),
+            (tf.equal(kind, "gif"), plain if portable else gif),
         ],
         default=plain,
     )
@@ -138,6 +142,7 @@ def decode_window(
     fused: bool = True,
     min_side: int = 0,
     background: str = DEFAULT_ALPHA_BACKGROUND,
+    portable: bool = False,
 ) -> tf.Tensor:
     """Decodes the part of an image that ``window`` picks, as RGB uint8.
 
@@ -153,10 +158,11 @@ def decode_window(
         fused: False decodes JPEGs whole too (the reference for benchmarks and tests).
         min_side: the side the crop will be resized to (0: decode at full scale).
         background: what transparent pixels are composited over (see ``decode``).
+        portable: TensorFlow operations only (see ``decode``).
     """
 
     def whole():
-        image = decode(contents, background)
+        image = decode(contents, background, portable)
         top, left, height, width = tf.unstack(window(tf.shape(image)[:2]))
         return tf.slice(image, tf.stack([top, left, 0]), tf.stack([height, width, 3]))
 
