@@ -20,7 +20,20 @@ from hvd_train.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hvd_train.commands import bench, demo, doctor, evaluate, lr_find, models, pack, plan, predict, report, train
+    from hvd_train.commands import (
+        bench,
+        demo,
+        doctor,
+        evaluate,
+        export,
+        lr_find,
+        models,
+        pack,
+        plan,
+        predict,
+        report,
+        train,
+    )
 
     parser = argparse.ArgumentParser(
         prog="hvd-train",
@@ -28,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hvd_train {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, lr_find, evaluate, predict, report, pack, bench, plan, models, doctor, demo):
+    for module in (train, lr_find, evaluate, predict, export, report, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
     # Run by main() before parsing; here for the list of commands only.
     subparsers.add_parser(

@@ -1,0 +1,561 @@
+"""Exports of a trained run that carry its preprocessing: SavedModel, TFLite and ONNX.
+
+A served classifier fed raw pixels gives confident nonsense: the network
+expects its backbone's scaling, the training image size and the centre crop
+of evaluation. So every export starts where a client starts:
+
+* the SavedModel takes encoded image bytes (``serving_default``: decoded,
+  transparent pixels composited as in training, centre-cropped, resized,
+  scaled) or a uint8 batch of any size (``serving_uint8``), and answers with
+  the probabilities, the top-k class indices and the class names;
+* TFLite and ONNX cannot decode, so they take a uint8 batch already cut to
+  ``image_size`` x ``image_size`` (``image``) and scale it inside; the
+  folder's README says how to cut it, and ``labels.json`` names the classes.
+
+The converters are TensorFlow's own (SavedModel, TFLite) and tf2onnx;
+``check`` runs each file in its own runtime (TensorFlow, LiteRT,
+ONNX Runtime) on labelled images and compares it with ``hvd-train predict``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hvd_train.commands.export import FORMATS, QUANTIZATIONS  # noqa: F401 (the command's choices, no TensorFlow)
+from hvd_train.compat import keras, tf
+from hvd_train.errors import UserError
+from hvd_train.files import write_json
+from hvd_train.inference import Trained
+from hvd_train.log import get_logger
+
+ONNX_OPSET = 17
+# Goals of --check, by quantisation: least top-1 agreement with predict, largest |Δp| (None: not a goal).
+GOALS = {"none": (1.0, 1e-4), "float16": (0.995, None), "int8": (0.98, None)}
+INT8_ACCURACY_POINTS = 1.0  # int8 held-out accuracy within this many points of predict's
+SAVEDMODEL_DIR = os.path.join("saved_model", "1")  # TensorFlow Serving: a base path holding numbered versions
+
+log = get_logger("export")
+
+
+@dataclass
+class Images:
+    """Labelled images to check exports on, or unlabelled ones to calibrate int8 with."""
+
+    paths: list[str]
+    labels: list[int] | None
+    source: str
+
+
+@dataclass
+class Exported:
+    """One file or folder written: its format, quantisation and path inside the export folder."""
+
+    format: str
+    quantize: str
+    path: str
+    parity: dict = field(default_factory=dict)
+
+
+def file_name(fmt: str, quantize: str) -> str:
+    if fmt == "savedmodel":
+        return SAVEDMODEL_DIR
+    suffix = "" if quantize == "none" else f"-{quantize}"
+    return f"model{suffix}.{fmt}"
+
+
+class Serving(tf.Module):
+    """The SavedModel's signatures around the trained Keras model."""
+
+    def __init__(self, trained: Trained, top_k: int):
+        super().__init__()
+        from hvd_train.data.images import decode_window
+        from hvd_train.data.pipeline import center_window
+
+        self.model = trained.model
+        self.class_names = tf.constant(trained.classes)
+        size, k = trained.image_size, top_k
+        window = center_window(trained.crop_fraction)
+        preprocess, background = trained.preprocess, trained.alpha_background
+
+        def classify(pixels):  # float32 [B, size, size, 3] in 0..255, as predict's pipeline makes them
+            probs = tf.cast(self.model(preprocess(pixels), training=False), tf.float32)
+            scores, indices = tf.math.top_k(probs, k=k)
+            return {
+                "probabilities": probs,
+                "top_k_scores": scores,
+                "top_k_indices": indices,
+                "top_k_classes": tf.gather(self.class_names, indices),
+            }
+
+        def load(contents):  # the same steps as predict's pipeline, with TensorFlow's own GIF decoder
+            image = decode_window(contents, window, min_side=size, background=background, portable=True)
+            image = tf.image.resize(image, [size, size])
+            image.set_shape([size, size, 3])
+            return image
+
+        def from_bytes(image_bytes):
+            pixels = tf.map_fn(load, image_bytes, fn_output_signature=tf.TensorSpec([size, size, 3], tf.float32))
+            return classify(pixels)
+
+        def from_uint8(images):
+            top, left, height, width = tf.unstack(window(tf.shape(images)[1:3]))
+            cut = images[:, top : top + height, left : left + width, :]
+            return classify(tf.image.resize(cut, [size, size]))
+
+        self.serve_bytes = tf.function(
+            from_bytes, input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")]
+        )
+        self.serve_uint8 = tf.function(
+            from_uint8, input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")]
+        )
+
+    def signatures(self) -> dict:
+        return {
+            "serving_default": self.serve_bytes.get_concrete_function(),
+            "serving_uint8": self.serve_uint8.get_concrete_function(),
+        }
+
+
+def fixed_size_model(trained: Trained):
+    """A Keras model from a uint8 ``image`` batch already cut to size to float32 ``probabilities``."""
+    size, preprocess = trained.image_size, trained.preprocess
+    image = keras.Input((size, size, 3), dtype="uint8", name="image")
+    scaled = keras.layers.Lambda(lambda t: preprocess(tf.cast(t, tf.float32)), name="preprocess")(image)
+    probs = keras.layers.Lambda(lambda t: tf.cast(t, tf.float32), name="probabilities")(trained.model(scaled))
+    return keras.Model(image, probs, name="classifier")
+
+
+def pixels(trained: Trained, paths: list[str], batch_size: int = 32) -> np.ndarray:
+    """Each image as predict's pipeline makes it before scaling: float32 [n, size, size, 3] in 0..255."""
+    from hvd_train.data.pipeline import predict_dataset
+
+    ds = predict_dataset(
+        paths,
+        batch_size=batch_size,
+        image_size=trained.image_size,
+        crop_fraction=trained.crop_fraction,
+        preprocess=lambda x: x,
+        alpha_background=trained.alpha_background,
+    )
+    return np.concatenate([b.numpy() for b in ds], axis=0)
+
+
+def as_uint8(values: np.ndarray) -> np.ndarray:
+    """What a client gives the fixed-size formats: the cut image's pixels, rounded to 8 bits."""
+    return np.clip(np.round(values), 0, 255).astype(np.uint8)
+
+
+def write_savedmodel(trained: Trained, top_k: int, path: str) -> None:
+    serving = Serving(trained, top_k)
+    tf.saved_model.save(serving, path, signatures=serving.signatures())
+
+
+def write_tflite(trained: Trained, quantize: str, calibration: np.ndarray | None, path: str) -> None:
+    converter = tf.lite.TFLiteConverter.from_keras_model(fixed_size_model(trained))
+    if quantize == "float16":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.target_spec.supported_types = [tf.float16]
+    elif quantize == "int8":
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.representative_dataset = lambda: ([image[None]] for image in as_uint8(calibration))
+        # Every operation in 8 bits, or an error naming the one that cannot be.
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    content = converter.convert()
+    with open(path, "wb") as f:
+        f.write(content)
+
+
+def write_onnx(trained: Trained, quantize: str, calibration: np.ndarray | None, path: str) -> None:
+    import tf2onnx
+
+    size = trained.image_size
+    spec = (tf.TensorSpec([None, size, size, 3], tf.uint8, name="image"),)
+    plain = path if quantize == "none" else path + ".fp32"
+    tf2onnx.convert.from_keras(fixed_size_model(trained), input_signature=spec, opset=ONNX_OPSET, output_path=plain)
+    if quantize == "float16":
+        import onnx
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        # Weights and computation in float16; the uint8 input and float32 output stay as they are.
+        onnx.save(convert_float_to_float16(onnx.load(plain), keep_io_types=True), path)
+    elif quantize == "int8":
+        from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.batches = iter(as_uint8(calibration)[i : i + 1] for i in range(len(calibration)))
+
+            def get_next(self):
+                batch = next(self.batches, None)
+                return None if batch is None else {"image": batch}
+
+        quantize_static(
+            plain, path, Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8, per_channel=True,
+        )  # fmt: skip
+    if plain != path:
+        os.remove(plain)
+
+
+# --- Running an export in its own runtime --------------------------------------------------------
+
+
+def run_savedmodel(path: str, paths: list[str], batch_size: int = 32) -> np.ndarray:
+    serve = tf.saved_model.load(path).signatures["serving_default"]
+    out = []
+    for i in range(0, len(paths), batch_size):
+        contents = [open(p, "rb").read() for p in paths[i : i + batch_size]]
+        out.append(serve(image_bytes=tf.constant(contents))["probabilities"].numpy())
+    return np.concatenate(out, axis=0)
+
+
+def run_tflite(path: str, images: np.ndarray) -> np.ndarray:
+    from ai_edge_litert.interpreter import Interpreter
+
+    interpreter = Interpreter(model_path=path)
+    [given] = interpreter.get_input_details()
+    interpreter.resize_tensor_input(given["index"], list(images.shape))
+    interpreter.allocate_tensors()
+    interpreter.set_tensor(given["index"], images)
+    interpreter.invoke()
+    [out] = interpreter.get_output_details()
+    probs = interpreter.get_tensor(out["index"])
+    if out["dtype"] != np.float32:  # a quantised output
+        scale, zero = out["quantization"]
+        probs = (probs.astype(np.float32) - zero) * scale
+    return probs
+
+
+def run_onnx(path: str, images: np.ndarray) -> np.ndarray:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(None, {"image": images})[0]
+
+
+def parity(reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, quantize: str) -> dict:
+    """Agreement with predict, the largest probability difference, and whether the goals are met."""
+    agree = float(np.mean(probs.argmax(1) == reference.argmax(1)))
+    delta = float(np.max(np.abs(probs - reference)))
+    least, most = GOALS[quantize]
+    result = {"images": len(reference), "top1_agreement": agree, "max_abs_diff": delta}
+    failed = []
+    if not (np.isfinite(probs).all() and np.isfinite(reference).all()):
+        failed.append("non-finite probabilities (NaN or inf) from the file or from predict")
+    if agree < least:
+        failed.append(f"top-1 agreement {agree:.2%} < {least:.1%}")
+    if most is not None and delta > most:
+        failed.append(f"max |Δp| {delta:.2e} > {most:.0e}")
+    if labels is not None:
+        truth = np.asarray(labels)
+        result["accuracy"] = float(np.mean(probs.argmax(1) == truth))
+        result["predict_accuracy"] = float(np.mean(reference.argmax(1) == truth))
+        points = 100 * (result["predict_accuracy"] - result["accuracy"])
+        if quantize == "int8" and points > INT8_ACCURACY_POINTS:
+            failed.append(
+                f"held-out accuracy {points:.1f} points below predict's (goal: within {INT8_ACCURACY_POINTS:g})"
+            )
+    result["passed"] = not failed
+    result["failed"] = failed
+    return result
+
+
+# --- The folder ---------------------------------------------------------------------------------
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def files_of(folder: str) -> dict[str, str]:
+    """SHA-256 of every file of the export (the manifest itself aside), by path inside it."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel != "manifest.json":
+                found[rel] = sha256(path)
+    return dict(sorted(found.items()))
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {}
+    for name in ("hvd_train", "tensorflow", "tf-keras", "tf2onnx", "onnx", "onnxruntime", "ai-edge-litert"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def contract(trained: Trained, top_k: int) -> dict:
+    """What each format takes and gives, from the run."""
+    size = trained.image_size
+    cut = (
+        f"the centre square of side {trained.crop_fraction:g} x the shorter side, resized to {size}x{size} "
+        f"(bilinear, no antialiasing), RGB, transparent pixels composited over {trained.alpha_background}"
+    )
+    return {
+        "classes": len(trained.classes),
+        "image_size": size,
+        "crop_fraction": trained.crop_fraction,
+        "alpha_background": trained.alpha_background,
+        "top_k": top_k,
+        "savedmodel": {
+            "serving_default": "image_bytes: string [batch], encoded JPEG, PNG, GIF (first frame) or BMP files",
+            "serving_uint8": "images: uint8 [batch, height, width, 3], RGB, any size (one size per batch)",
+            "outputs": "probabilities float32 [batch, classes], top_k_scores float32 [batch, k], "
+            "top_k_indices int32 [batch, k], top_k_classes string [batch, k]",
+            "inside": f"decoding, {cut}, the backbone's own scaling",
+        },
+        "tflite_onnx": {
+            "input": f"image: uint8 [batch, {size}, {size}, 3], {cut}",
+            "output": "probabilities float32 [batch, classes], in the order of labels.json",
+            "inside": "the backbone's own scaling",
+        },
+    }
+
+
+def write_readme(folder: str, manifest: dict) -> None:
+    c = manifest["input"]
+    size = c["image_size"]
+    lines = [
+        f"# {manifest['source']['model']} classifier, {c['classes']} classes",
+        "",
+        f"Exported by hvd-train {manifest['versions'].get('hvd_train', '')} from {manifest['source']['run']} "
+        f"(weights digest {manifest['source']['weights_digest']}). Class names, in output order: labels.json. "
+        "Files, their SHA-256 and the versions used: manifest.json.",
+        "",
+    ]
+    formats = {e["format"] for e in manifest["formats"]}
+    if "savedmodel" in formats:
+        lines += [
+            f"## SavedModel ({SAVEDMODEL_DIR}/)",
+            "",
+            "Give it what you have; decoding, cropping, resizing and scaling happen inside.",
+            "",
+            f"- `serving_default`: {c['savedmodel']['serving_default']}",
+            f"- `serving_uint8`: {c['savedmodel']['serving_uint8']}",
+            f"- outputs: {c['savedmodel']['outputs']}",
+            "",
+            "TensorFlow Serving (`--model_base_path` = the `saved_model` folder), REST:",
+            "",
+            "```",
+            "POST /v1/models/NAME:predict",
+            '{"signature_name": "serving_default", "instances": [{"image_bytes": {"b64": "<base64 of the file>"}}]}',
+            "```",
+            "",
+        ]
+    fixed = sorted(e["path"] for e in manifest["formats"] if e["format"] != "savedmodel")
+    if fixed:
+        lines += [
+            f"## {', '.join(fixed)}",
+            "",
+            f"Input `image`: uint8 [batch, {size}, {size}, 3]. Cut each image as training did: "
+            f"{c['tflite_onnx']['input'].split(', ', 1)[1]}. The backbone's scaling is inside.",
+            f"Output `probabilities`: {c['tflite_onnx']['output']}.",
+            "",
+        ]
+    if manifest.get("calibration"):
+        cal = manifest["calibration"]
+        lines += [f"int8 calibration: {cal['images']} images from {cal['source']}.", ""]
+    with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+
+
+def record_in_run(run_dir: str, folder: str, manifest: dict) -> None:
+    """Adds this export to ``RUN_DIR/exports.json``, which ``hvd-train report`` lists."""
+    path = os.path.join(run_dir, "exports.json")
+    known = []
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                known = json.load(f)
+        except (OSError, ValueError):
+            known = []
+    folder = os.path.abspath(folder)
+    known = [e for e in known if e.get("folder") != folder]
+    known.append({"folder": folder, "time": manifest["time"], "formats": manifest["formats"]})
+    write_json(path, known)
+
+
+def is_export(folder: str) -> bool:
+    """Whether ``folder`` holds an export this command wrote (it may be replaced) or nothing."""
+    if not os.listdir(folder):
+        return True
+    try:
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"source", "formats", "files"} <= set(manifest)
+
+
+class Stopped(UserError):
+    """SIGTERM or SIGINT came while the export was being written; nothing of it was kept."""
+
+    def __init__(self, signum: int, folder: str):
+        name = signal.Signals(signum).name
+        super().__init__(f"export stopped by {name} before it was complete; {folder} was left as it was")
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def stops_as_errors(folder: str):
+    """SIGTERM and SIGINT raise ``Stopped`` while the export is written, so its staging folder goes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum, folder)
+
+    before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def replace(staging: str, folder: str) -> None:
+    """Puts the finished ``staging`` folder at ``folder``, the old export there removed after."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)  # no stop between the two renames
+    try:
+        old = None
+        if os.path.exists(folder):
+            old = f"{folder}.old-{os.getpid()}"
+            os.replace(folder, old)
+        os.replace(staging, folder)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export(
+    run_dir: str,
+    trained: Trained,
+    summary: dict,
+    formats: list[str],
+    quantize: str,
+    folder: str,
+    top_k: int,
+    calibration: Images | None,
+    check: Images | None,
+) -> dict:
+    """Writes the exports into ``folder`` (made anew), then checks them; returns the manifest.
+
+    The folder is written beside its final place and moved there whole, so
+    a failed or stopped export leaves no half-written one behind, and an
+    earlier export at ``folder`` stays until the new one is complete.
+    """
+    folder = os.path.abspath(folder)
+    staging = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with stops_as_errors(folder):
+            os.makedirs(staging)
+            manifest = _write(run_dir, trained, summary, formats, quantize, staging, top_k, calibration, check)
+            replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    record_in_run(run_dir, folder, manifest)
+    return manifest
+
+
+def _write(run_dir, trained, summary, formats, quantize, staging, top_k, calibration, check) -> dict:
+    calibration_pixels = None
+    if quantize == "int8":
+        started = time.perf_counter()
+        calibration_pixels = pixels(trained, calibration.paths)
+        log.info("int8: %d calibration images from %s (%.1f s)", len(calibration_pixels), calibration.source,
+                 time.perf_counter() - started)  # fmt: skip
+    entries = []
+    for fmt in formats:
+        q = "none" if fmt == "savedmodel" else quantize
+        path = file_name(fmt, q)
+        started = time.perf_counter()
+        target = os.path.join(staging, path)
+        if fmt == "savedmodel":
+            write_savedmodel(trained, top_k, target)
+        elif fmt == "tflite":
+            write_tflite(trained, q, calibration_pixels, target)
+        else:
+            write_onnx(trained, q, calibration_pixels, target)
+        log.info("%s%s: %s (%.1f s)", fmt, "" if q == "none" else f" {q}", path, time.perf_counter() - started)
+        entries.append(Exported(fmt, q, path))
+    write_json(os.path.join(staging, "labels.json"), trained.classes)
+    manifest = {
+        "source": {
+            "run": os.path.abspath(run_dir),
+            "weights_digest": summary.get("weights_digest", ""),
+            "model": summary.get("model", ""),
+            "precision": summary.get("precision", ""),
+        },
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "input": contract(trained, top_k),
+        "formats": [{"format": e.format, "quantize": e.quantize, "path": e.path} for e in entries],
+        "calibration": None
+        if calibration_pixels is None
+        else {"images": len(calibration_pixels), "source": calibration.source},
+        "versions": versions(),
+    }
+    write_readme(staging, manifest)
+    if check is not None:
+        manifest["check"] = check_folder(staging, trained, manifest, check)
+        for entry, result in zip(manifest["formats"], manifest["check"]["formats"]):
+            entry["parity"] = result
+    manifest["files"] = files_of(staging)
+    write_json(os.path.join(staging, "manifest.json"), manifest)
+    return manifest
+
+
+def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) -> dict:
+    """Runs every export of ``folder`` in its runtime on ``images``, against predict's probabilities.
+
+    The SavedModel gets the image files, as predict does. TFLite and ONNX get
+    each image cut to size as uint8, their input contract; predict keeps the
+    resized pixels in float, so their reference is predict's model on those
+    same 8-bit pixels, and what the rounding alone moves is reported apart
+    (``rounding_max_abs_diff``): it is the input's, not the file's.
+    """
+    cut = pixels(trained, images.paths)
+    uint8 = as_uint8(cut)
+
+    def predict(batch):
+        return trained.model.predict(trained.preprocess(tf.constant(batch, tf.float32)), verbose=0, batch_size=32)
+
+    reference, reference_uint8 = predict(cut), predict(uint8)
+    rounding = float(np.max(np.abs(reference_uint8 - reference)))
+    results = []
+    for entry in manifest["formats"]:
+        path = os.path.join(folder, entry["path"])
+        if entry["format"] == "savedmodel":
+            result = parity(reference, run_savedmodel(path, images.paths), images.labels, entry["quantize"])
+        else:
+            run = run_tflite if entry["format"] == "tflite" else run_onnx
+            result = parity(reference_uint8, run(path, uint8), images.labels, entry["quantize"])
+            result["input"] = "uint8 pixels of the images cut to size"
+            result["rounding_max_abs_diff"] = rounding
+        result["name"] = f"{entry['format']}{'' if entry['quantize'] == 'none' else ' ' + entry['quantize']}"
+        results.append(result)
+    return {"images": len(images.paths), "source": images.source, "formats": results}

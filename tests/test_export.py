@@ -1,0 +1,216 @@
+"""hvd-train export: SavedModel, TFLite and ONNX files that answer as `hvd-train predict` does.
+
+Each export is run in its own runtime: the SavedModel by TensorFlow in a
+fresh process that never imports hvd_train (as TensorFlow Serving would load
+it), TFLite by LiteRT and ONNX by ONNX Runtime (``--check``).
+"""
+
+import csv
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import HVD_TRAIN, cli, output_of, read_json, run, write_images
+
+COLOURS = {"blue": 20, "green": 20, "red": 20}  # write_images: one colour per class, learnt in a few steps
+
+
+def train(data, out, *extra):
+    program = [*HVD_TRAIN, "train", "--data", data, "--output", out, "--weights", "none", "--image-size", "32"]
+    proc = run([*program, "--no-tensorboard", "--threads-per-rank", "2", "--val-split", "0.25", *extra])
+    assert proc.returncode == 0, output_of(proc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("colours"), COLOURS, size=40)
+
+
+@pytest.fixture(scope="module")
+def mobilenet_run(colours, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mobilenet") / "run"
+    program = ["--model", "MobileNetV2", "--batch-size", "8", "--epochs", "15", "--base-lr", "0.05", "--deterministic"]
+    train(colours, out, *program)
+    # A network that tells the classes apart: an untrained one answers ~1/3 everywhere, and
+    # every export would agree with it trivially.
+    assert read_json(out / "summary.json")["val_accuracy"] >= 0.9
+    return out
+
+
+def export(run_dir, *extra):
+    return cli(["export", run_dir, *extra])
+
+
+def test_every_format_answers_as_predict_does(mobilenet_run, colours, tmp_path):
+    folder = tmp_path / "export"
+    proc = export(mobilenet_run, "--output", folder, "--check")
+    assert proc.returncode == 0, output_of(proc)
+    manifest = read_json(folder / "manifest.json")
+    summary = read_json(mobilenet_run / "summary.json")
+    assert manifest["source"]["weights_digest"] == summary["weights_digest"]
+    assert [e["path"] for e in manifest["formats"]] == ["saved_model/1", "model.tflite", "model.onnx"]
+    # Every file of the folder, with its SHA-256.
+    on_disk = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != "manifest.json"
+    }
+    assert manifest["files"] == on_disk and "saved_model/1/saved_model.pb" in on_disk
+    assert {"tensorflow", "tf2onnx", "onnxruntime", "ai-edge-litert"} <= set(manifest["versions"])
+    assert json.loads((folder / "labels.json").read_text()) == sorted(COLOURS)
+    readme = (folder / "README.md").read_text()
+    assert "image_bytes" in readme and "uint8 [batch, 32, 32, 3]" in readme and "0.875" in readme
+    # Each format ran on the 15 held-out images in its runtime and met the float32 goals.
+    check = manifest["check"]
+    assert check["images"] == 15
+    for result in check["formats"]:
+        assert result["passed"] and result["top1_agreement"] == 1.0 and result["max_abs_diff"] <= 1e-4, result
+        assert result["accuracy"] == result["predict_accuracy"]
+    assert "parity with predict on 15 images" in proc.stderr
+
+    # The SavedModel on its own, as a server loads it: no hvd_train, encoded files in (PNG, JPEG,
+    # BMP, an RGBA PNG with a transparent corner), class names out, the answers of `hvd-train predict`.
+    images = _client_images(colours, tmp_path / "client")
+    predicted = cli(["predict", "--model-dir", mobilenet_run, *images, "--output", tmp_path / "p.csv"])
+    assert predicted.returncode == 0, output_of(predicted)
+    with open(tmp_path / "p.csv", newline="") as f:
+        expected = [(r["label"], float(r["probability"])) for r in csv.DictReader(f)]
+    served = _serve_in_a_fresh_process(folder / "saved_model" / "1", images)
+    assert [label for label, _ in served] == [label for label, _ in expected]
+    assert np.allclose([p for _, p in served], [p for _, p in expected], atol=2e-6)
+    assert all(label == "red" and p > 0.5 for label, p in served), served
+
+    # The run's report lists the export with its parity.
+    proc = cli(["report", mobilenet_run])
+    assert proc.returncode == 0, output_of(proc)
+    page = (mobilenet_run / "report.html").read_text()
+    assert "Exports (hvd-train export)" in page and "model.onnx" in page and "passed" in page
+
+
+def _client_images(colours, folder):
+    from PIL import Image
+
+    folder.mkdir()
+    source = sorted((colours / "red").glob("*.png"))[0]
+    with Image.open(source) as im:
+        rgb = im.convert("RGB")
+    rgba = rgb.convert("RGBA")
+    rgba.putpixel((0, 0), (0, 0, 0, 0))
+    paths = [folder / "a.png", folder / "b.jpg", folder / "c.bmp", folder / "d.png"]
+    for path in paths[:3]:
+        rgb.save(path)
+    rgba.save(paths[3])
+    return paths
+
+
+SERVE = """
+import json, sys
+import tensorflow as tf
+serve = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+out = serve(image_bytes=tf.constant([open(p, "rb").read() for p in sys.argv[2:]]))
+names = [row[0].decode() for row in out["top_k_classes"].numpy()]
+print(json.dumps([[n, float(p)] for n, p in zip(names, out["top_k_scores"].numpy()[:, 0])]))
+"""
+
+
+def _serve_in_a_fresh_process(path, images):
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE, str(path), *map(str, images)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hvd_train" not in done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("quantize", ["float16", "int8"])
+def test_quantized_files_meet_their_goals(quantize, mobilenet_run, tmp_path):
+    folder = tmp_path / "export"
+    proc = export(mobilenet_run, "--output", folder, "--format", "tflite,onnx", "--quantize", quantize, "--check")
+    assert proc.returncode == 0, output_of(proc)
+    manifest = read_json(folder / "manifest.json")
+    names = [f"model-{quantize}.tflite", f"model-{quantize}.onnx"]
+    assert [e["path"] for e in manifest["formats"]] == names
+    assert all((folder / n).stat().st_size < (mobilenet_run / "model.keras").stat().st_size / 1.5 for n in names)
+    for result in manifest["check"]["formats"]:
+        assert result["passed"], result
+        assert result["top1_agreement"] >= (0.98 if quantize == "int8" else 0.995)
+    if quantize == "int8":
+        # Calibrated on the run's own training images (45: fewer than --calibration-images), recorded.
+        assert manifest["calibration"]["images"] == 45 and "training images" in manifest["calibration"]["source"]
+        assert "int8 calibration: 45 images" in (folder / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "model, extra",
+    [
+        ("ResNet50", ["--freeze-backbone", "--batch-size", "16", "--epochs", "1"]),
+        ("EfficientNetB0", ["--precision", "mixed_float16", "--batch-size", "8", "--epochs", "8"]),
+    ],
+)
+def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, extra, colours, tmp_path):
+    out = train(colours, tmp_path / "run", "--model", model, "--deterministic", *extra)
+    assert read_json(out / "summary.json")["val_accuracy"] > 0.5, "a network that tells the classes apart"
+    folder = tmp_path / "export"
+    # Checked on given images (all 60) rather than the run's held-out ones.
+    proc = export(out, "--output", folder, "--format", "savedmodel,tflite,onnx", "--check-data", colours, "--check")
+    assert proc.returncode == 0, output_of(proc)
+    manifest = read_json(folder / "manifest.json")
+    assert manifest["source"]["model"] == model and len(manifest["formats"]) == 3
+    assert manifest["check"]["images"] == 60 and manifest["check"]["source"] == str(colours)
+    assert all(r["passed"] and r["top1_agreement"] == 1.0 for r in manifest["check"]["formats"]), manifest["check"]
+    if "mixed_float16" in extra:
+        assert manifest["source"]["precision"] == "mixed_float16"
+        import onnx
+
+        graph = onnx.load(folder / "model.onnx").graph
+        assert not any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.initializer), "float32 weights"
+
+
+def test_bad_input_is_one_clear_line_and_leaves_no_export(mobilenet_run, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = export(empty)
+    assert proc.returncode != 0 and "has no model.keras" in proc.stderr and "Traceback" not in proc.stderr
+    proc = export(mobilenet_run, "--format", "savedmodel,pdf")
+    assert proc.returncode == 2 and "unknown format 'pdf'" in proc.stderr and "savedmodel,tflite,onnx" in proc.stderr
+    folder = tmp_path / "export"
+    proc = export(mobilenet_run, "--output", folder, "--format", "tflite", "--quantize", "int8",
+                  "--calibration-data", empty)  # fmt: skip
+    assert proc.returncode != 0 and f"folder {empty} holds no images" in proc.stderr, output_of(proc)
+    assert not folder.exists() and not list(tmp_path.glob("export.tmp-*")), "nothing half-written"
+    # --output is made anew only where it holds an earlier export (or nothing): never a user's folder.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    proc = export(mobilenet_run, "--output", theirs, "--format", "tflite")
+    assert proc.returncode == 2, output_of(proc)
+    assert f"--output {theirs} exists and is not a folder hvd-train export wrote" in proc.stderr
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+
+
+def test_a_stopped_export_leaves_the_earlier_one_as_it_was(mobilenet_run, tmp_path):
+    folder = tmp_path / "export"
+    proc = export(mobilenet_run, "--output", folder, "--format", "tflite")
+    assert proc.returncode == 0, output_of(proc)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    # A new export into the same folder, stopped once its SavedModel is written and its converters run.
+    program = [*HVD_TRAIN, "export", mobilenet_run, "--output", folder, "--format", "savedmodel,tflite,onnx"]
+    with subprocess.Popen(program, stderr=subprocess.PIPE, text=True) as proc:
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("export.tmp-*/saved_model/1/saved_model.pb")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the export never wrote its SavedModel"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert f"export stopped by SIGTERM before it was complete; {folder} was left as it was" in err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no staging folder left"
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
