@@ -60,7 +60,12 @@ def load_run(run_dir: str) -> dict:
         with open(config_path, encoding="utf-8") as f:
             run["config_text"] = f.read()
         run["config"] = yaml.safe_load(run["config_text"]) or {}
-        for key, name in (("summary", "summary.json"), ("classes", "labels.json"), ("evaluation", "evaluation.json")):
+        for key, name in (
+            ("summary", "summary.json"),
+            ("classes", "labels.json"),
+            ("evaluation", "evaluation.json"),
+            ("exports", "exports.json"),
+        ):
             path = os.path.join(run_dir, name)
             run[key] = _read_json(path) if os.path.isfile(path) else None
     except (OSError, ValueError, yaml.YAMLError) as e:
@@ -231,6 +236,9 @@ def render(run: dict) -> str:
             "From evaluation.json.",
         )
 
+    if run.get("exports"):
+        body += _exports_section(run["exports"])
+
     body.append("<h2>Throughput and metrics per epoch</h2>")
     if run["rows"]:
         keys = ["epoch", "images_per_sec", "epoch_seconds", "lr", "loss", "accuracy", "val_loss", "val_accuracy"]
@@ -263,6 +271,36 @@ def render(run: dict) -> str:
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
         f"<body>{''.join(body)}</body></html>\n"
     )
+
+
+def _exports_section(exports: list[dict]) -> list[str]:
+    """``hvd-train export``'s folders, each file with its parity with predict where it was checked."""
+    rows = []
+    for export in exports:
+        for entry in export.get("formats", []):
+            parity = entry.get("parity") or {}
+            checked = bool(parity)
+            rows.append(
+                [
+                    os.path.join(export.get("folder", ""), entry.get("path", "")),
+                    entry.get("format"),
+                    entry.get("quantize"),
+                    parity.get("images") if checked else "not checked",
+                    parity.get("top1_agreement"),
+                    parity.get("max_abs_diff"),
+                    parity.get("accuracy"),
+                    ("passed" if parity.get("passed") else "FAILED: " + "; ".join(parity.get("failed", [])))
+                    if checked
+                    else "",
+                ]
+            )
+    header = ["file", "format", "quantize", "images", "top-1 agreement", "max |Δp|", "accuracy", "check"]
+    return [
+        "<h2>Exports (hvd-train export)</h2>",
+        _table(header, rows, text=(0, 1, 2, 7)),
+        "<p class='note'>Each file run in its own runtime (TensorFlow, LiteRT, ONNX Runtime) on the images of "
+        "<code>hvd-train export --check</code>, against <code>hvd-train predict</code>'s probabilities.</p>",
+    ]
 
 
 def _number(text):
