@@ -33,7 +33,7 @@ ENV HVD_TRAIN_GPU=1
 
 # hadolint ignore=DL3006
 FROM build-${VARIANT} AS build
-ENV HVD_TRAIN_VENV=/opt/hvd_train/venv HVD_TRAIN_EXTRAS="" HVD_TRAIN_EDITABLE=0 \
+ENV HVD_TRAIN_VENV=/opt/hvd_train/venv HVD_TRAIN_EXTRAS=export HVD_TRAIN_EDITABLE=0 \
     HVD_TRAIN_CACHE=/root/.cache/hvd_train
 WORKDIR /src
 # The dependencies first, in a layer that only a change to the stack

@@ -183,6 +183,12 @@ def test_demo_through_docker_sh_box_reaches_accuracy_and_outputs_belong_to_the_c
         assert summary["world_size"] == 2 and summary["val_accuracy"] >= 0.9
         assert summary["val_images"] == 200  # 5 classes x 200 images, 20% held out
         assert re.search(r"demo: held-out accuracy (0\.9\d+|1\.0+)", proc.stdout + proc.stderr), output_of(proc)
+        # The image exports what it trained, each file checked in its runtime on the held-out images.
+        single = ["bash", DOCKER_SH, "box", "--image", image, "--np", "1", "--mount", folder]
+        exported = as_caller(*single, "--", "export", folder / "run", "--format", "tflite,onnx", "--check")
+        assert exported.returncode == 0, output_of(exported)
+        check = read_json(folder / "run" / "export" / "manifest.json")["check"]
+        assert check["images"] == 200 and all(r["passed"] for r in check["formats"]), check
         owners = {(p.stat().st_uid, p.stat().st_gid) for p in folder.rglob("*")}
         assert owners == {(CALLER, CALLER)}, owners
         print(f"demo in the image: held-out accuracy {summary['val_accuracy']:.3f}")
