@@ -53,38 +53,16 @@ def timed(call, repeats: int) -> float:
 
 def runner(fmt: str, path: Path, threads: int):
     """A function of a uint8 batch that runs the file in its runtime."""
-    if fmt == "savedmodel":
-        import tensorflow as tf
+    if fmt != "savedmodel":
+        from hvd_train.export import runner as file_runner  # the runtime calls of `hvd-train export --check`
 
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-        serve = tf.saved_model.load(str(path)).signatures["serving_uint8"]
-        return lambda batch: serve(images=tf.constant(batch))["probabilities"].numpy()
-    if fmt == "tflite":
-        from ai_edge_litert.interpreter import Interpreter
+        return file_runner(fmt, str(path), threads)
+    import tensorflow as tf
 
-        interpreter = Interpreter(model_path=str(path), num_threads=threads)
-        index = interpreter.get_input_details()[0]["index"]
-        out = interpreter.get_output_details()[0]["index"]
-        shape = [None]
-
-        def run(batch):
-            if shape[0] != batch.shape:
-                interpreter.resize_tensor_input(index, list(batch.shape))
-                interpreter.allocate_tensors()
-                shape[0] = batch.shape
-            interpreter.set_tensor(index, batch)
-            interpreter.invoke()
-            return interpreter.get_tensor(out)
-
-        return run
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return lambda batch: session.run(None, {"image": batch})[0]
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    serve = tf.saved_model.load(str(path)).signatures["serving_uint8"]
+    return lambda batch: serve(images=tf.constant(batch))["probabilities"].numpy()
 
 
 def main() -> None:

@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train.commands.export import FORMATS, QUANTIZATIONS  # noqa: F401 (the command's choices, no TensorFlow)
 from hvd_train.compat import keras, tf
 from hvd_train.errors import UserError
-from hvd_train.files import write_json
+from hvd_train.files import read_json, write_json
 from hvd_train.inference import Trained
 from hvd_train.log import get_logger
 
@@ -54,16 +52,6 @@ class Images:
     paths: list[str]
     labels: list[int] | None
     source: str
-
-
-@dataclass
-class Exported:
-    """One file or folder written: its format, quantisation and path inside the export folder."""
-
-    format: str
-    quantize: str
-    path: str
-    parity: dict = field(default_factory=dict)
 
 
 def file_name(fmt: str, quantize: str) -> str:
@@ -219,28 +207,39 @@ def run_savedmodel(path: str, paths: list[str], batch_size: int = 32) -> np.ndar
     return np.concatenate(out, axis=0)
 
 
-def run_tflite(path: str, images: np.ndarray) -> np.ndarray:
-    from ai_edge_litert.interpreter import Interpreter
+def runner(fmt: str, path: str, threads: int | None = None):
+    """A function from a uint8 batch to float32 probabilities that runs a TFLite or ONNX file in its runtime.
 
-    interpreter = Interpreter(model_path=path)
-    [given] = interpreter.get_input_details()
-    interpreter.resize_tensor_input(given["index"], list(images.shape))
-    interpreter.allocate_tensors()
-    interpreter.set_tensor(given["index"], images)
-    interpreter.invoke()
-    [out] = interpreter.get_output_details()
-    probs = interpreter.get_tensor(out["index"])
-    if out["dtype"] != np.float32:  # a quantised output
-        scale, zero = out["quantization"]
-        probs = (probs.astype(np.float32) - zero) * scale
-    return probs
+    ``threads``: the runtime's thread count (None: its own default).
+    """
+    if fmt == "tflite":
+        from ai_edge_litert.interpreter import Interpreter
 
+        interpreter = Interpreter(model_path=path, num_threads=threads)
+        [given], [out] = interpreter.get_input_details(), interpreter.get_output_details()
+        shape = []
 
-def run_onnx(path: str, images: np.ndarray) -> np.ndarray:
+        def run(images: np.ndarray) -> np.ndarray:
+            if shape != list(images.shape):
+                interpreter.resize_tensor_input(given["index"], list(images.shape))
+                interpreter.allocate_tensors()
+                shape[:] = images.shape
+            interpreter.set_tensor(given["index"], images)
+            interpreter.invoke()
+            probs = interpreter.get_tensor(out["index"])
+            if out["dtype"] != np.float32:  # a quantised output
+                scale, zero = out["quantization"]
+                probs = (probs.astype(np.float32) - zero) * scale
+            return probs
+
+        return run
     import onnxruntime
 
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    return session.run(None, {"image": images})[0]
+    options = onnxruntime.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return lambda images: session.run(None, {"image": images})[0]
 
 
 def parity(reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, quantize: str) -> dict:
@@ -383,15 +382,11 @@ def write_readme(folder: str, manifest: dict) -> None:
 def record_in_run(run_dir: str, folder: str, manifest: dict) -> None:
     """Adds this export to ``RUN_DIR/exports.json``, which ``hvd-train report`` lists."""
     path = os.path.join(run_dir, "exports.json")
-    known = []
-    if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                known = json.load(f)
-        except (OSError, ValueError):
-            known = []
+    known = read_json(path, [])
     folder = os.path.abspath(folder)
-    known = [e for e in known if e.get("folder") != folder]
+    if not isinstance(known, list):  # not a file this command wrote: started again
+        known = []
+    known = [e for e in known if isinstance(e, dict) and e.get("folder") != folder]
     known.append({"folder": folder, "time": manifest["time"], "formats": manifest["formats"]})
     write_json(path, known)
 
@@ -400,11 +395,7 @@ def is_export(folder: str) -> bool:
     """Whether ``folder`` holds an export this command wrote (it may be replaced) or nothing."""
     if not os.listdir(folder):
         return True
-    try:
-        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return False
+    manifest = read_json(os.path.join(folder, "manifest.json"), None)
     return isinstance(manifest, dict) and {"source", "formats", "files"} <= set(manifest)
 
 
@@ -502,7 +493,7 @@ def _write(run_dir, trained, summary, formats, quantize, staging, top_k, calibra
         else:
             write_onnx(trained, q, calibration_pixels, target)
         log.info("%s%s: %s (%.1f s)", fmt, "" if q == "none" else f" {q}", path, time.perf_counter() - started)
-        entries.append(Exported(fmt, q, path))
+        entries.append({"format": fmt, "quantize": q, "path": path})
     write_json(os.path.join(staging, "labels.json"), trained.classes)
     manifest = {
         "source": {
@@ -513,7 +504,7 @@ def _write(run_dir, trained, summary, formats, quantize, staging, top_k, calibra
         },
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "input": contract(trained, top_k),
-        "formats": [{"format": e.format, "quantize": e.quantize, "path": e.path} for e in entries],
+        "formats": entries,
         "calibration": None
         if calibration_pixels is None
         else {"images": len(calibration_pixels), "source": calibration.source},
@@ -552,8 +543,8 @@ def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) 
         if entry["format"] == "savedmodel":
             result = parity(reference, run_savedmodel(path, images.paths), images.labels, entry["quantize"])
         else:
-            run = run_tflite if entry["format"] == "tflite" else run_onnx
-            result = parity(reference_uint8, run(path, uint8), images.labels, entry["quantize"])
+            probs = runner(entry["format"], path)(uint8)
+            result = parity(reference_uint8, probs, images.labels, entry["quantize"])
             result["input"] = "uint8 pixels of the images cut to size"
             result["rounding_max_abs_diff"] = rounding
         result["name"] = f"{entry['format']}{'' if entry['quantize'] == 'none' else ' ' + entry['quantize']}"

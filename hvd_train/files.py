@@ -1,4 +1,6 @@
-"""Whole files written atomically: a reader, or a rerun after a kill, never sees half a file."""
+"""Whole files written atomically: a reader, or a rerun after a kill, never sees half a file.
+
+And read back leniently, where a missing or foreign file is not an error."""
 
 from __future__ import annotations
 
@@ -19,6 +21,15 @@ def write_text(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def read_json(path: str, default=None):
+    """The JSON in ``path``, or ``default`` where the file is missing or not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
 
 
 def write_json(path: str, obj) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from hvd_train.commands._common import positive_int
@@ -78,6 +77,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from hvd_train import distributed, export
     from hvd_train.errors import UserError
+    from hvd_train.files import read_json
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
     trained = load_trained(args.run_dir)
-    summary = _read_json(os.path.join(args.run_dir, "summary.json"))
+    summary = read_json(os.path.join(args.run_dir, "summary.json"), {})
     folder = args.output or os.path.join(args.run_dir, "export")
     if os.path.abspath(folder) == os.path.abspath(args.run_dir):
         raise UserError(
@@ -98,12 +98,11 @@ def run(args: argparse.Namespace) -> int:
             "one), so it is not replaced; give a new folder, or remove that one yourself."
         )
     _check_installed(args)
-    data = None
-    if args.check or (args.quantize == "int8" and not args.calibration_data):
+    calibrate = args.quantize == "int8" and not {"tflite", "onnx"}.isdisjoint(args.format)
+    data = None  # the run's own images, read again only where no other images are given
+    if (args.check and not args.check_data) or (calibrate and not args.calibration_data):
         data = _run_images(args.run_dir, ctx)
-    calibration = None
-    if args.quantize == "int8" and not {"tflite", "onnx"}.isdisjoint(args.format):
-        calibration = _calibration(args, data, ctx)
+    calibration = _calibration(args, data) if calibrate else None
     check = _check_images(args, data, trained, ctx) if args.check else None
     manifest = export.export(
         args.run_dir,
@@ -155,14 +154,6 @@ def _check_installed(args) -> None:
             )
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def _run_images(run_dir: str, ctx):
     """The run's training and held-out images, split as training split them."""
     from hvd_train.config import from_sources
@@ -196,7 +187,7 @@ def _local_paths(data, flag: str, fix: str) -> list[str]:
     return paths
 
 
-def _calibration(args, data, ctx):
+def _calibration(args, data):
     import numpy as np
 
     from hvd_train.commands.predict import expand
