@@ -9,14 +9,13 @@ import csv
 import hashlib
 import json
 import signal
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import HVD_TRAIN, cli, output_of, read_json, run, write_images
+from conftest import HVD_TRAIN, cli, kill_group, output_of, read_json, run, start, write_images
 
 COLOURS = {"blue": 20, "green": 20, "red": 20}  # write_images: one colour per class, learnt in a few steps
 
@@ -121,10 +120,8 @@ print(json.dumps([[n, float(p)] for n, p in zip(names, out["top_k_scores"].numpy
 
 
 def _serve_in_a_fresh_process(path, images):
-    done = subprocess.run(
-        [sys.executable, "-c", SERVE, str(path), *map(str, images)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run([sys.executable, "-c", SERVE, path, *images], timeout=300)
+    assert done.returncode == 0, output_of(done)
     assert "hvd_train" not in done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -201,14 +198,16 @@ def test_a_stopped_export_leaves_the_earlier_one_as_it_was(mobilenet_run, tmp_pa
     assert proc.returncode == 0, output_of(proc)
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     # A new export into the same folder, stopped once its SavedModel is written and its converters run.
-    program = [*HVD_TRAIN, "export", mobilenet_run, "--output", folder, "--format", "savedmodel,tflite,onnx"]
-    with subprocess.Popen(program, stderr=subprocess.PIPE, text=True) as proc:
+    proc = start([*HVD_TRAIN, "export", mobilenet_run, "--output", folder, "--format", "savedmodel,tflite,onnx"])
+    try:
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("export.tmp-*/saved_model/1/saved_model.pb")) and proc.poll() is None:
             assert time.monotonic() < deadline, "the export never wrote its SavedModel"
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
+    finally:
+        kill_group(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert f"export stopped by SIGTERM before it was complete; {folder} was left as it was" in err
     assert "Traceback" not in err
