@@ -97,9 +97,11 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def launcher_command(launcher: str, np_: int) -> list:
-    """The launcher part of a command: horovodrun (Gloo or MPI) or plain mpirun."""
+    """The launcher part of a command: horovodrun (Gloo or MPI), ``hvd-train launch`` (Gloo) or plain mpirun."""
     if launcher == "horovodrun-gloo":
         return [BIN / "horovodrun", "-np", str(np_), "--gloo"]
+    if launcher == "hvd-train-launch":
+        return [BIN / "hvd-train", "launch", "-np", str(np_), "--gloo"]
     if launcher == "horovodrun-mpi":
         return [BIN / "horovodrun", "-np", str(np_), "--mpi"]
     if launcher == "mpirun":

@@ -299,3 +299,64 @@ def test_install_script_refuses_a_gpu_build_it_cannot_make(tmp_path):
     assert proc.returncode == 2, output_of(proc)
     assert f"HOROVOD_CUDA_HOME={toolkit} has no working bin/nvcc" in proc.stderr and "unset it" in proc.stderr
     assert not venv.exists()  # refused before installing anything
+
+
+# Runs one rank's shell through Horovod's own safe_shell_exec.execute (as horovodrun does), ends it
+# as horovodrun ends a job (the event), and prints the status Horovod reports for it. The shell
+# outlives its rank by a second, as a shell that has not yet read its rank's status does.
+SHELL_DRIVER = r"""
+import sys, threading, time
+from pathlib import Path
+from horovod.runner.common.util import safe_shell_exec
+from hvd_train import launcher
+
+RANK = (
+    "import pathlib, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, (lambda *a: None) if sys.argv[2] == 'stubborn' else (lambda *a: sys.exit(75)))\n"
+    "pathlib.Path(sys.argv[1]).touch()\n"
+    "time.sleep(float(sys.argv[3]))\n"
+)
+
+
+def main(how, folder):
+    if how != "horovod":
+        launcher._end_shells_gently()
+    rank = folder / "rank.py"
+    rank.write_text(RANK)
+    linger = f"{sys.executable} {rank} {folder / 'lingered'} {how} {60 if how == 'stubborn' else 1}"
+    command = f"{sys.executable} {rank} {folder / 'ready'} {how} 60; status=$?; {linger}; exit $status"
+    event = threading.Event()
+
+    def end_when_ready():
+        while not (folder / "ready").exists():
+            time.sleep(0.02)
+        event.set()
+
+    threading.Thread(target=end_when_ready, daemon=True).start()
+    began = time.monotonic()
+    code = safe_shell_exec.execute(command, events=[event])
+    print(code, round(time.monotonic() - began, 1))
+
+
+if __name__ == "__main__":  # the spawned process that runs the shell imports this file too
+    main(sys.argv[1], Path(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("how", ["horovod", "gentle", "stubborn"])
+def test_launch_keeps_the_status_of_a_rank_whose_shell_ends_after_it(how, tmp_path):
+    # Horovod's own ending stops and kills a rank's shell that has not ended yet the moment its rank
+    # has: the job reports 143 for a rank that exited with 75 (the control case, "horovod").
+    # (Stopped, it dies of that SIGTERM or of the SIGKILL 5 s later.) `hvd-train launch` lets the shell
+    # end with its rank's status, and still ends a rank that ignores SIGTERM (SIGKILL after 5 s) and a
+    # shell that then goes on (killed with what it started 5 s later).
+    driver = tmp_path / "driver.py"
+    driver.write_text(SHELL_DRIVER)
+    proc = run([sys.executable, driver, how, tmp_path], timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    code, seconds = proc.stdout.split()[-2:]
+    expected = {"horovod": {"137", "143"}, "gentle": {"75"}, "stubborn": {"137"}}[how]
+    assert code in expected, output_of(proc)
+    assert float(seconds) < 30, output_of(proc)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout == "", "a process was left running"
