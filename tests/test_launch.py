@@ -346,10 +346,10 @@ if __name__ == "__main__":  # the spawned process that runs the shell imports th
 @pytest.mark.parametrize("how", ["horovod", "gentle", "stubborn"])
 def test_launch_keeps_the_status_of_a_rank_whose_shell_ends_after_it(how, tmp_path):
     # Horovod's own ending stops and kills a rank's shell that has not ended yet the moment its rank
-    # has: the job reports 143 for a rank that exited with 75 (the control case, "horovod").
-    # (Stopped, it dies of that SIGTERM or of the SIGKILL 5 s later.) `hvd-train launch` lets the shell
-    # end with its rank's status, and still ends a rank that ignores SIGTERM (SIGKILL after 5 s) and a
-    # shell that then goes on (killed with what it started 5 s later).
+    # has: the job reports 143 or 137 for a rank that exited with 75 (the control case, "horovod";
+    # the stopped shell dies of Horovod's SIGTERM, or of its SIGKILL 5 s later). `hvd-train launch`
+    # lets the shell end with its rank's status, and still ends a rank that ignores SIGTERM (SIGKILL
+    # after 5 s) and a shell that then goes on (killed with what it started 5 s later).
     driver = tmp_path / "driver.py"
     driver.write_text(SHELL_DRIVER)
     proc = run([sys.executable, driver, how, tmp_path], timeout=120)
