@@ -13,9 +13,11 @@ It also keeps each rank's own status. Horovod 0.28.1 runs a rank through
 ``sh -c`` and, to end it, signals the rank, waits until it has exited, then
 stops and kills the shell. That wait returns as soon as the rank has
 exited, at times before its shell has read the status and ended, and the
-killed shell then reports 137 or 143 for a rank that exited with 75: the
-job's status says "killed" where the ranks stopped cleanly. Here the shell
-has ``SHELL_GRACE`` seconds to end on its own, with the rank's status.
+killed shell then reports 137 or 143 for a rank that exited with 75 (or
+0, when Horovod's own wait for the killed shell takes its status first):
+the job's status says "killed" (or "done") where the ranks stopped cleanly.
+Here the shell has ``SHELL_GRACE`` seconds to end on its own, with the
+rank's status.
 
     hvd-train launch -np 4 hvd-train train --data DIR --output DIR
 """
