@@ -40,9 +40,20 @@ def test_no_resume_deletes_old_checkpoints_only_once_training_starts(demo_small,
 
 def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_over(demo_small, tmp_path):
     data = copy_tree(demo_small, tmp_path / "data")
+    # Names that are not UTF-8 (Latin-1, as an older tool writes them), in training and held
+    # out alike: they train, are checkpointed (the list's digest), resume and evaluate as any other.
+    latin1 = []
+    for folder in sorted(data.iterdir()):
+        for image in sorted(folder.glob("*.png"))[-4:]:
+            os.rename(image, os.fsencode(folder) + b"/caf\xe9-" + os.fsencode(image.name))
+            latin1.append(os.fsdecode(os.fsencode(folder) + b"/caf\xe9-" + os.fsencode(image.name)))
     out = tmp_path / "run"
     first = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "1"])
     assert first.returncode == 0, output_of(first)
+    assert json.loads((out / "summary.json").read_text())["skipped_images"] == []
+    predicted = cli(["predict", "--model-dir", out, latin1[0], "--output", tmp_path / "p.csv"])
+    assert predicted.returncode == 0, output_of(predicted)
+    assert os.fsencode(latin1[0]) in (tmp_path / "p.csv").read_bytes(), "the name as the file system has it"
     # One image renamed: the count is the same, the list is not.
     victim = sorted((data / "dots").glob("shape-*.png"))[0]
     victim.rename(victim.with_name("zz-" + victim.name))
@@ -55,6 +66,8 @@ def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_ove
     assert allowed.returncode == 0, output_of(allowed)
     assert "--allow-data-change: the images differ" in allowed.stderr
     assert "resuming from" in allowed.stderr and (out / "checkpoints" / "epoch-0002").is_dir()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_images"] == 25 and summary["skipped_images"] == []
 
 
 @pytest.fixture

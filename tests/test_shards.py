@@ -2,6 +2,7 @@
 
 import collections
 import json
+import os
 import signal
 import time
 
@@ -28,12 +29,16 @@ def solid(path, value):
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """``N`` solid images whose pixel value is ``2 * index``: the pixels tell which image a record is."""
+    """``N`` solid images whose pixel value is ``2 * index``: the pixels tell which image a record is.
+
+    Two names are Latin-1 bytes, not UTF-8 (as an older tool writes ``café``).
+    """
     root = tmp_path_factory.mktemp("src")
     for i in range(N):
         cls = root / f"class{i % 3}" / ("nested" if i % 2 else "")
         cls.mkdir(parents=True, exist_ok=True)
-        solid(cls / f"img-{i:03d}.png", 2 * i)
+        name = os.fsdecode(b"caf\xe9-%03d.png" % i) if i in (4, 9) else f"img-{i:03d}.png"
+        solid(cls / name, 2 * i)
     return root
 
 
@@ -75,11 +80,12 @@ def test_shards_are_standard_tfrecords_with_every_image(folder, packed_dir):
         assert len(records) == shard["images"]
         for record in records:
             ex = tf.train.Example.FromString(record).features.feature
-            name = ex["image/filename"].bytes_list.value[0].decode()
+            name = os.fsdecode(ex["image/filename"].bytes_list.value[0])
             assert ex["image/encoded"].bytes_list.value[0] == (folder / name).read_bytes()
             seen[name] = ex["image/class/label"].int64_list.value[0]
     assert len(seen) == N
     assert all(seen[name] == int(name.split("/")[0][-1]) for name in seen)
+    assert {os.fsencode(n) for n in seen} >= {b"class1/caf\xe9-004.png", b"class0/nested/caf\xe9-009.png"}
 
 
 def shard_input(shard_set, rank, size, batch=4, epochs=2, first_step=0, seed=1):
@@ -162,6 +168,29 @@ def test_evaluation_counts_each_image_once(packed_dir):
             ).dataset
             ids += ids_of(ds)[0]
         assert sorted(ids) == list(range(N)), size
+
+
+def test_names_that_are_not_utf8_are_checked_digested_and_evaluated_like_any_other(folder, tmp_path):
+    from hvd_train.data.folder import list_folder
+    from hvd_train.data.images import find_bad_images
+
+    images = list_folder(str(folder))
+    assert sum(b"\xe9" in os.fsencode(p) for p in images.paths) == 2
+    assert len(images.digest) == 16  # what the first checkpoint records
+    assert find_bad_images(list(images.paths)) == []
+    ids = []
+    for rank in range(2):
+        ds = eval_dataset(images, rank=rank, size=2, batch_size=4, image_size=8, crop_fraction=1.0,
+                          preprocess=lambda x: x).dataset  # fmt: skip
+        ids += ids_of(ds)[0]
+    assert sorted(ids) == list(range(N))
+    # A class folder so named cannot name a class: one clear line.
+    (tmp_path / "tea").mkdir()
+    solid(tmp_path / "tea" / "1.png", 0)
+    os.mkdir(os.fsencode(tmp_path) + b"/caf\xe9")
+    solid(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9/1.png"), 0)
+    with pytest.raises(UserError, match=r"class folder .*caf\\xe9.* is not valid UTF-8.*rename it"):
+        list_folder(str(tmp_path))
 
 
 def test_held_out_labels_map_onto_training_classes(packed_dir):

@@ -78,10 +78,29 @@ def run(args: argparse.Namespace) -> int:
             best = int(p.argmax())
             rows.append((path, trained.classes[best], float(p[best])))
     gathered = ctx.allgather_object(rows, name="predict_rows")
-    if not ctx.is_root:
-        return 0
+    # Horovod: the other ranks wait for rank 0's CSV, so that every rank ends together.
+    ctx.on_root(lambda: _write_rows(args, files, gathered), name="predict_write")
+    return 0
+
+
+def _write_rows(args, files: list[str], gathered: list) -> None:
+    """Rank 0: one CSV row per readable image, in the order the paths were given."""
+    from hvd_train.errors import UserError
+
     by_path = {row[0]: row for part in gathered for row in part}
-    out = open(args.output, "w", newline="", encoding="utf-8") if args.output != "-" else None
+    # A file name that is not UTF-8 is written back as the bytes it has on disk.
+    try:
+        out = (
+            open(args.output, "w", newline="", encoding="utf-8", errors="surrogateescape")
+            if args.output != "-"
+            else None
+        )
+    except OSError as e:
+        raise UserError(
+            f"cannot write {args.output} ({e.strerror or e}); pass --output with a file you can write."
+        ) from None
+    if out is None:
+        sys.stdout.reconfigure(errors="surrogateescape")
     try:
         writer = csv.writer(out or sys.stdout)
         writer.writerow(["path", "label", "probability"])
@@ -92,4 +111,3 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if out:
             out.close()
-    return 0

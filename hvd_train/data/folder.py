@@ -51,7 +51,7 @@ class PathList(Sequence[str]):
     @classmethod
     def of(cls, prefix: str, relatives: Iterable[str]) -> PathList:
         """The paths ``prefix + r`` for each of ``relatives``."""
-        return cls.of_bytes(prefix, [r.encode("utf-8", "surrogateescape") for r in relatives])
+        return cls.of_bytes(prefix, [storage.os_bytes(r) for r in relatives])
 
     def __len__(self) -> int:
         return int(self.ends.size)
@@ -205,8 +205,16 @@ class ImageSet:
         h.update("\0".join(self.classes).encode() + b"\n")
         for label, rel in zip(self.labels.tolist(), self.paths.relatives()):
             # ASCII is its own NFC.
-            h.update(f"{label}\t{rel if rel.isascii() else storage.nfc(rel)}\n".encode())
+            h.update(storage.os_bytes(f"{label}\t{rel if rel.isascii() else storage.nfc(rel)}\n"))
         return h.hexdigest()[:16]
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_image_name(name: str) -> bool:
@@ -294,6 +302,12 @@ def _labelled(prefix, found, stray, walk, flag, classes) -> ImageSet:
     # Class names in NFC, folders in the order of their names.
     folder_of: dict[str, str] = {}
     for name in found:
+        if not _is_utf8(name):
+            raise UserError(
+                f"class folder {storage.os_bytes(root + '/' + name)!r} ({flag}) has a name that is not valid UTF-8 "
+                f"(an older tool's Latin-1?), so it cannot name a class; rename it in UTF-8 "
+                f"(e.g. convmv -f latin1 -t utf8 -r --notest {root})."
+            )
         other = folder_of.setdefault(storage.nfc(name), name)
         if other != name:
             raise UserError(

@@ -83,7 +83,7 @@ def example(image: bytes, label: int, name: str) -> bytes:
     feature = {
         "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image])),
         "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[label])),
-        "image/filename": tf.train.Feature(bytes_list=tf.train.BytesList(value=[name.encode()])),
+        "image/filename": tf.train.Feature(bytes_list=tf.train.BytesList(value=[storage.os_bytes(name)])),
     }
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 

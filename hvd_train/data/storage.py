@@ -38,6 +38,16 @@ def is_s3(url: str) -> bool:
     return url.startswith("s3://")
 
 
+def os_bytes(path: str) -> bytes:
+    """``path`` as the bytes the file system names it by, for TensorFlow's string tensors.
+
+    Python keeps a name that is not valid UTF-8 (``caf\\xe9.png``, as an old
+    Latin-1 tool writes it) with surrogate escapes; TensorFlow takes only
+    bytes or valid UTF-8. S3 keys are always UTF-8.
+    """
+    return path.encode("utf-8", "surrogateescape")
+
+
 def join(url: str, rel: str) -> str:
     """``url`` + ``/`` + ``rel`` for a folder or an S3 prefix."""
     return f"{url.rstrip('/')}/{rel}" if rel else url
