@@ -20,7 +20,6 @@ ONNX Runtime) on labelled images and compares it with ``hvd-train predict``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -32,7 +31,7 @@ import numpy as np
 
 from hvd_train.compat import keras, tf
 from hvd_train.errors import UserError
-from hvd_train.files import read_json, write_json
+from hvd_train.files import read_json, sha256, write_json
 from hvd_train.inference import Trained
 from hvd_train.log import get_logger
 
@@ -270,14 +269,6 @@ def parity(reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, q
 
 
 # --- The folder ---------------------------------------------------------------------------------
-
-
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def files_of(folder: str) -> dict[str, str]:

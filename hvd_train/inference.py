@@ -10,6 +10,7 @@ import yaml
 
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
+from hvd_train.files import read_json, sha256
 from hvd_train.models import get_spec
 
 
@@ -41,18 +42,25 @@ def load_trained(model_dir: str) -> Trained:
         UserError: the folder is not a finished training run.
     """
     hint = "--model-dir takes the --output folder of a finished `hvd-train train`"
-    files = {name: os.path.join(model_dir, name) for name in ("model.keras", "labels.json", "run_config.yaml")}
-    for name, path in files.items():
+    paths = {name: os.path.join(model_dir, name) for name in ("model.keras", "labels.json", "run_config.yaml")}
+    for name, path in paths.items():
         if not os.path.isfile(path):
             raise UserError(f"{model_dir} has no {name}; {hint}.")
-    with open(files["labels.json"], encoding="utf-8") as f:
+    _check_written_together(model_dir, paths)
+    with open(paths["labels.json"], encoding="utf-8") as f:
         classes = json.load(f)
-    with open(files["run_config.yaml"], encoding="utf-8") as f:
+    with open(paths["run_config.yaml"], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
     try:
-        model = keras.models.load_model(files["model.keras"], compile=False)
+        model = keras.models.load_model(paths["model.keras"], compile=False)
     except Exception as e:  # a truncated or foreign file; Keras raises many types
-        raise UserError(f"cannot load {files['model.keras']} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+        raise UserError(f"cannot load {paths['model.keras']} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+    outputs = int(model.output_shape[-1])
+    if len(classes) != outputs:
+        raise UserError(
+            f"{paths['labels.json']} names {len(classes)} classes but {paths['model.keras']} has {outputs} outputs: "
+            f"they are not of the same run; train again into {model_dir} to write them together."
+        )
     spec = get_spec(run_config["model"]["name"])
     return Trained(
         model=model,
@@ -62,3 +70,21 @@ def load_trained(model_dir: str) -> Trained:
         preprocess=spec.preprocess_input(),
         alpha_background=str(run_config["data"].get("alpha_background", "white")),
     )
+
+
+def _check_written_together(model_dir: str, paths: dict[str, str]) -> None:
+    """Refuses a model whose labels or configuration are not the ones its run wrote with it.
+
+    ``summary.json`` records the SHA-256 of the three files as the run wrote
+    them (``model_files``); a run folder of an older hvd_train has none.
+    """
+    recorded = (read_json(os.path.join(model_dir, "summary.json"), {}) or {}).get("model_files")
+    if not isinstance(recorded, dict):
+        return
+    changed = [name for name, path in paths.items() if name in recorded and recorded[name] != sha256(path)]
+    if changed:
+        raise UserError(
+            f"{' and '.join(changed)} in {model_dir} {'is' if len(changed) == 1 else 'are'} not what its run wrote "
+            f"with model.keras (summary.json records other digests): the files are of different runs or were "
+            f"edited; train again into {model_dir} (the same command resumes and writes them together)."
+        )

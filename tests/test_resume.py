@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from conftest import TINY, cli, kill_group, output_of, small_file_system, start
 
@@ -22,20 +23,62 @@ def copy_tree(src, dst):
     return dst
 
 
-def test_no_resume_deletes_old_checkpoints_only_once_training_starts(demo_small, tmp_path):
+DESCRIBE = ("model.keras", "labels.json", "run_config.yaml", "summary.json")
+
+
+def test_a_failed_rerun_leaves_the_model_and_what_describes_it_and_inference_checks_they_agree(demo_small, tmp_path):
     out = tmp_path / "run"
     first = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1"])
     assert first.returncode == 0, output_of(first)
     assert (out / "checkpoints" / "epoch-0001").is_dir()
-    # A mistyped --data with --no-resume: the run never starts, the checkpoints stay.
-    typo = cli(["train", "--data", tmp_path / "dmeo", "--output", out, *RUN, "--no-resume"])
+    before = {name: (out / name).read_bytes() for name in DESCRIBE}
+    # A mistyped --data with another backbone, crop and --no-resume: the run never starts; the
+    # checkpoints stay, and so does every file that describes the model (not the new labels and crop).
+    other = ["--model", "ResNet50", "--crop-fraction", "0.5", "--alpha-background", "black"]
+    typo = cli(["train", "--data", tmp_path / "dmeo", "--output", out, *RUN, *other, "--no-resume"])
     assert typo.returncode == 2 and "does not exist" in typo.stderr, output_of(typo)
     assert (out / "checkpoints" / "epoch-0001").is_dir()
-    # The same with the right folder: they go when training starts, and the log says so.
+    assert {name: (out / name).read_bytes() for name in DESCRIBE} == before
+    # A resume refused for another seed leaves them too.
+    refused = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "2", "--seed", "7"])
+    assert refused.returncode == 2, output_of(refused)
+    [error] = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert "--seed 42 then, 7 now" in error and "Give --seed 42 --grad-accum 1 to resume" in error, error
+    assert {name: (out / name).read_bytes() for name in DESCRIBE} == before
+
+    # Labels of another run beside the model: one class fewer than its outputs (as an older
+    # hvd_train left after a failed rerun, with no digests in summary.json) ...
+    image = sorted(demo_small.rglob("*.png"))[0]
+    labels = json.loads(before["labels.json"])
+    summary = json.loads(before["summary.json"])
+    assert set(summary["model_files"]) == {"model.keras", "labels.json", "run_config.yaml"}
+    del summary["model_files"]
+    (out / "summary.json").write_text(json.dumps(summary))
+    (out / "labels.json").write_text(json.dumps(labels[:-1]))
+    proc = cli(["predict", "--model-dir", out, image])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, output_of(proc)
+    assert f"names {len(labels) - 1} classes but {out / 'model.keras'} has {len(labels)} outputs" in proc.stderr
+    # ... or as many classes in another order, and another crop: summary.json's digests tell.
+    (out / "summary.json").write_bytes(before["summary.json"])
+    (out / "labels.json").write_text(json.dumps(labels[::-1]))
+    config = before["run_config.yaml"].decode()
+    assert "crop_fraction: 0.875" in config
+    (out / "run_config.yaml").write_text(config.replace("crop_fraction: 0.875", "crop_fraction: 0.5"))
+    proc = cli(["export", out, "--format", "tflite"])  # as predict and evaluate: one loader
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, output_of(proc)
+    [error] = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert "labels.json and run_config.yaml in" in error and "not what its run wrote" in error, error
+    assert not (out / "export").exists()
+
+    # The same command with the right folder: the checkpoints go when training starts, and the
+    # log says so; the new model comes with its own labels and configuration.
     again = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1", "--no-resume"])
     assert again.returncode == 0, output_of(again)
     assert "--no-resume: removed 1 checkpoint(s) of an earlier run" in again.stderr
     assert "resuming from" not in again.stderr
+    assert json.loads((out / "labels.json").read_text()) == labels
+    written, first_config = (yaml.safe_load(t) for t in ((out / "run_config.yaml").read_text(), config))
+    assert written == {**first_config, "run": {**first_config["run"], "resume": False}}
 
 
 def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_over(demo_small, tmp_path):
@@ -72,8 +115,8 @@ def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_ove
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 64 MB tmpfs: room for a run of TINY's MobileNetV2 (18 MB a checkpoint) and its next checkpoint."""
-    with small_file_system(tmp_path, "64m") as mount:
+    """An 80 MB tmpfs: room for a run of TINY's MobileNet (25 MB a checkpoint) and its next checkpoint."""
+    with small_file_system(tmp_path, "80m") as mount:
         yield mount
 
 

@@ -1,4 +1,12 @@
-"""The end of a run: final evaluation, the identical-weights check, ``model.keras`` and ``summary.json``."""
+"""The end of a run: final evaluation, the identical-weights check, ``model.keras`` and ``summary.json``.
+
+What describes the saved model (``labels.json``: the class of each output;
+``run_config.yaml``: the backbone, its preprocessing and crop) changes only
+together with it: ``describe`` writes them when a run starts training in a
+folder that holds no model yet, and ``finish`` writes them again with the
+model, then ``summary.json`` last, with the SHA-256 of all three
+(``model_files``), which ``inference.load_trained`` checks.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from hvd_train import compute, cpus, distributed, files, plots
 from hvd_train.classifier import Net
 from hvd_train.compat import keras
 from hvd_train.distributed import Context
+from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
 from hvd_train.log import get_logger
 from hvd_train.models import build_model
@@ -21,6 +30,33 @@ from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
+
+
+MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
+
+
+def describe(job: Job, force: bool = False) -> bool:
+    """Rank 0 writes ``labels.json`` and ``run_config.yaml`` of ``job``, each atomically.
+
+    Args:
+        force: write them even where the folder holds a model (``finish``, just
+            before it replaces that model). Otherwise (training starts) the
+            files of an earlier run's model stay until a new model replaces it.
+
+    Returns:
+        Whether they were written.
+    """
+    out = job.cfg.run.output
+    if not force and os.path.exists(os.path.join(out, MODEL)):
+        return False
+    files.write_json(os.path.join(out, LABELS), list(job.classes))
+    files.write_text(os.path.join(out, CONFIG), job.cfg.to_yaml())
+    return True
+
+
+def model_files(folder: str) -> dict[str, str]:
+    """The SHA-256 of ``model.keras``, ``labels.json`` and ``run_config.yaml`` in ``folder``."""
+    return {name: files.sha256(os.path.join(folder, name)) for name in (MODEL, LABELS, CONFIG)}
 
 
 @dataclass(frozen=True)
@@ -47,21 +83,21 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     if not identical:
         log.error("ranks ended with different weights: %s", digests)
     summary = _summary(job, ctx, state, final, history, digests, identical)
+
+    def write() -> None:
+        try:
+            _write_outputs(job, net, summary, final)
+        except OSError as e:
+            raise UserError(
+                f"cannot write the run's outputs to {cfg.run.output} ({e.strerror or e}); free space there, "
+                "then rerun the same command: it resumes from the last checkpoint and writes them."
+            ) from None
+
+    # Horovod: the other ranks wait for rank 0's writes, so that every rank of the job ends
+    # together (a launcher that ends a job when its first rank ends cuts nothing short), and
+    # ends with rank 0's error if there is one.
+    ctx.on_root(write, name="outputs")
     if ctx.is_root:
-        if job.precision == "fp32":
-            export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
-        else:
-            # The saved model computes in float32: inference never meets float16.
-            export = compute.float32_copy(
-                net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
-            )
-        _save_model_atomically(export, os.path.join(cfg.run.output, "model.keras"))
-        files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
-        if final is not None:
-            path = os.path.join(cfg.run.output, plots.CONFUSION)
-            plots.draw(
-                path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)")
-            )
         if final is not None:
             log.info(
                 "held-out accuracy %.4f top-1, %.4f top-%d on %d images (scored in %.1f s); "
@@ -76,6 +112,28 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
             )
         log.info("outputs in %s", cfg.run.output)
     return Outcome(summary, net.model)
+
+
+def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None) -> None:
+    """Rank 0: the model and what describes it, then ``summary.json`` that ties them together, then pictures."""
+    cfg = job.cfg
+    if job.precision == "fp32":
+        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+    else:
+        # The saved model computes in float32: inference never meets float16.
+        export = compute.float32_copy(
+            net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+        )
+    # The model written beside its place first, then what describes it, then the model moved into
+    # place: the three change together, within a rename of each other.
+    _save_model_atomically(export, os.path.join(cfg.run.output, MODEL), before_rename=lambda: describe(job, force=True))
+    summary["model_files"] = model_files(cfg.run.output)
+    files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
+    if final is not None:
+        path = os.path.join(cfg.run.output, plots.CONFUSION)
+        plots.draw(
+            path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)")
+        )
 
 
 def _summary(job, ctx, state, final: EvalResult | None, history: History, digests, identical) -> dict:
@@ -163,9 +221,11 @@ def _weights_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-def _save_model_atomically(model, path: str) -> None:
+def _save_model_atomically(model, path: str, before_rename=None) -> None:
     folder = os.path.dirname(path)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".model-") as tmp:
         tmp_path = os.path.join(tmp, os.path.basename(path))
         model.save(tmp_path)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp_path, path)

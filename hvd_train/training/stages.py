@@ -1,12 +1,15 @@
 """The stages that set a run up, in the order ``run`` calls them, the same on every rank.
 
-1. ``prepare_output``: rank 0 makes the output folder and writes ``run_config.yaml``.
+1. ``prepare_output``: rank 0 makes the output folder (or says why it cannot).
 2. ``load_data``: rank 0 lists the images, every rank checks its share, all agree
    (``training_sets``); the model spec and the precision are resolved once, into the ``Job``.
 3. ``resolve_base_lr``: ``--base-lr auto`` runs the range test on rank 0.
 4. ``build_net``: rank 0 loads the weights; Horovod's ``DistributedOptimizer``.
 5. ``start_state``: a fresh ``TrainState``, or rank 0 restores the latest intact
-   checkpoint; weights and optimizer state are broadcast from rank 0.
+   checkpoint; weights and optimizer state are broadcast from rank 0. Only
+   now, with training about to start, are the run's labels and configuration
+   written (``finish.describe``): a run that fails before leaves the model
+   and what describes it as they were.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import tempfile
 import time
 
-from hvd_train import compute, distributed, files
+from hvd_train import compute, distributed
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import DataConfig, TrainConfig
@@ -28,6 +31,7 @@ from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.models import build_model, get_spec, resolve_bn
 from hvd_train.training import checkpoints, lr_find
+from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
 from hvd_train.training.state import TrainState
 
@@ -35,10 +39,11 @@ log = get_logger("train")
 
 
 def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
-    """Rank 0 makes the output folder (or says why it cannot) and writes ``run_config.yaml``.
+    """Rank 0 makes the output folder, or says why it cannot.
 
-    Checkpoints of an earlier run stay until training starts (``start_state``):
-    a mistyped ``--data`` with ``--no-resume`` must not cost them.
+    Nothing of an earlier run changes until training starts (``start_state``):
+    a mistyped ``--data`` must not cost it its checkpoints, nor its model the
+    ``labels.json`` and ``run_config.yaml`` that describe it.
     """
 
     def prepare() -> None:
@@ -49,8 +54,6 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
             probe.close()
         except OSError as e:
             raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
-        with open(os.path.join(out, "run_config.yaml"), "w", encoding="utf-8") as f:
-            f.write(cfg.to_yaml())
 
     ctx.on_root(prepare, name="prepare_output")
 
@@ -80,8 +83,6 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
         numerics,
         f", XLA {cfg.compute.xla}" if cfg.compute.xla != "off" else "",
     )
-    if ctx.is_root:
-        files.write_json(os.path.join(cfg.run.output, "labels.json"), train_set.classes)
     return job
 
 
@@ -183,17 +184,31 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         found = checkpoints.latest(out, set_aside=True)
         if found is None:
             return None
+        _check_same_recipe(job, found)
         changed = _check_same_data(job, found)
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-        return found.path, found.state.to_dict(), rows, changed, found.info.get("metrics") or {}
+        return found.path, found.state.to_dict(), rows, changed, found.info
+
+    def restore_then_describe():
+        restored = restore()
+        # Training starts: the run's labels and configuration are written now, where no
+        # earlier model would be left beside the wrong ones (finish.describe).
+        try:
+            describe(job)
+        except OSError as e:
+            raise UserError(
+                f"cannot write labels.json and run_config.yaml to {cfg.run.output} ({e.strerror}); "
+                "free space there or choose another --output."
+            ) from None
+        return restored
 
     with Ticker(log, "looking for a checkpoint to resume from"):
-        restored = ctx.on_root(restore, name="restore")
+        restored = ctx.on_root(restore_then_describe, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.
     distributed.broadcast_variables(net.variables, ctx)
     if restored is None:
         return fresh_state(job, plan), History()
-    path, values, rows, changed, metrics = restored
+    path, values, rows, changed, info = restored
     state = TrainState.from_dict(values)
     # Each rank takes back its own BatchNorm statistics and metric sums, or
     # their mean when the workers are not the same ones.
@@ -219,8 +234,17 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         )
     history = History()
     history.resumed_from = path
+    metrics = info.get("metrics") or {}
     if metrics and state.epoch > 0:
         history.resumed_metrics = (state.epoch - 1, metrics)
+    # The images skipped before the stop, and those met undecodable but not reported yet (by
+    # their index in the list, which means other files when the list changed).
+    history.skipped = {path: (reason, when) for path, reason, when in info.get("skipped", ())}
+    if changed:  # --allow-data-change: only those still in the lists
+        listed = {*job.train.paths, *(job.val.paths if job.val is not None else ())}
+        history.skipped = {path: why for path, why in history.skipped.items() if path in listed}
+    elif ctx.is_root:
+        history.undecodable = set(info.get("undecodable", ()))
     return state, history
 
 
@@ -263,6 +287,33 @@ def _check_same_data(job: Job, found: checkpoints.Found) -> bool:
         "; the interrupted epoch starts over" if saved.get("train") != now["train"] else "",
     )
     return saved.get("train") != now["train"]
+
+
+def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
+    """Refuses a resume whose ``--seed`` or ``--grad-accum`` differs from the checkpoint's (rank 0).
+
+    The rest of the interrupted epoch is dealt by the checkpoint's seed, in
+    whole updates of its accumulation: a new value would mix two data orders,
+    or resume an update half accumulated under another count.
+    """
+    cfg = job.cfg
+    differ = [
+        f"--{flag} {then} then, {now} now"
+        for flag, then, now in (
+            ("seed", found.state.seed, cfg.run.seed),
+            ("grad-accum", found.state.accum, cfg.horovod.grad_accum),
+        )
+        if then != now
+    ]
+    if differ:
+        same = " ".join(
+            f"--{flag} {then}" for flag, then in (("seed", found.state.seed), ("grad-accum", found.state.accum))
+        )
+        raise UserError(
+            f"checkpoint {found.path} was made with other options ({'; '.join(differ)}): the resumed run would "
+            f"deal its images and updates otherwise than the run it continues. Give {same} to resume, or "
+            f"--no-resume to start over."
+        )
 
 
 def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[Data, Data | None]:
