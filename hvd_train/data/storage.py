@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import io
 import os
+import random
 import re
 import tempfile
 import threading
@@ -28,7 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from hvd_train import files
 from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("data")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -165,6 +170,7 @@ class LocalStore(Store):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.")
         try:
+            files.as_plain_file(fd)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -358,20 +364,71 @@ def client_for(options: S3Options):
         return _clients[key]
 
 
+# Reads whose body broke off and were made again, in this process (``summary.json``).
+_retried = 0
+_retried_lock = threading.Lock()
+
+
+def retried_reads() -> int:
+    """How many S3 reads this process made again after their connection broke mid-body."""
+    with _retried_lock:
+        return _retried
+
+
 def read_url(url: str, options: S3Options, start: int | None = None, end: int | None = None) -> bytes:
-    """The bytes of one ``s3://bucket/key`` object (or of ``[start, end)`` of it)."""
+    """The bytes of one ``s3://bucket/key`` object (or of ``[start, end)`` of it).
+
+    botocore retries a request until its response begins, not while its body
+    streams in (boto/boto3#4111): a connection dropped mid-body, common over
+    a week of reading ImageNet, would end the job. Such a read is made again,
+    up to ``options.max_attempts`` times in all, with jittered exponential
+    backoff, and counted (``retried_reads``).
+    """
+    global _retried
+    from botocore import exceptions as bx
+
     bucket, _, key = url[len("s3://") :].partition("/")
     client = client_for(options)
     extra = {} if start is None else {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-    try:
-        body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
+    attempts, attempt = max(1, options.max_attempts), 0
+    while True:
+        attempt += 1
+        try:
+            body = client.get_object(Bucket=bucket, Key=key, **extra)["Body"]
+        except Exception as e:
+            endpoint = redact_url(client.meta.endpoint_url)
+            raise UserError(s3_message(e, "read", bucket, key, endpoint)) from None
         try:
             return body.read()
+        except (bx.ResponseStreamingError, bx.IncompleteReadError, bx.ReadTimeoutError) as e:
+            if attempt == attempts:
+                endpoint = redact_url(client.meta.endpoint_url)
+                raise UserError(
+                    f"the connection to S3 broke while reading s3://{bucket}/{key} (endpoint {endpoint}) in "
+                    f"each of {attempts} attempt(s) ({type(e).__name__}); check the network and the store, or "
+                    f"raise --s3-max-attempts."
+                ) from None
+            with _retried_lock:
+                _retried += 1
+            log.warning(
+                "S3: the connection broke while reading s3://%s/%s (%s); reading it again (attempt %d of %d)",
+                bucket,
+                key,
+                type(e).__name__,
+                attempt + 1,
+                attempts,
+            )
+            body.close()  # the broken connection goes back to no pool while this thread waits
+            time.sleep(random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt)))
+        except Exception as e:
+            endpoint = redact_url(client.meta.endpoint_url)
+            raise UserError(s3_message(e, "read", bucket, key, endpoint)) from None
         finally:
             body.close()
-    except Exception as e:
-        endpoint = redact_url(client.meta.endpoint_url)
-        raise UserError(s3_message(e, "read", bucket, key, endpoint)) from None
+
+
+# Seconds: the n-th retry waits up to min(cap, base * 2**n), drawn uniformly (full jitter).
+_BACKOFF_BASE, _BACKOFF_CAP = 0.1, 20.0
 
 
 def open_store(url: str, s3: S3Options | None = None) -> Store:

@@ -20,6 +20,7 @@ import numpy as np
 from hvd_train import compute, cpus, distributed, files, plots
 from hvd_train.classifier import Net
 from hvd_train.compat import keras
+from hvd_train.data import storage
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
@@ -203,14 +204,17 @@ _HOROVOD_TUNING = (
 
 
 def _input_stats(ctx: Context, history: History) -> dict:
-    stats = ctx.allgather_object(history.input_stats, name="input_stats")
+    gathered = ctx.allgather_object((history.input_stats, storage.retried_reads()), name="input_stats")
+    stats = [s for s, _ in gathered]
     # Per rank: seconds the input pipeline waited for S3 objects or shard
     # blocks that were not fetched yet (an upper bound on the training stall
-    # they caused), objects fetched, and bytes read.
+    # they caused), objects fetched, bytes read, and S3 reads made again
+    # after their connection broke mid-body.
     return {
         "input_wait_seconds": [round(s["wait_seconds"], 3) if s else None for s in stats],
         "input_objects": [s["objects"] if s else None for s in stats],
         "input_bytes": [s["bytes"] if s else None for s in stats],
+        "input_retried_reads": [retried for _, retried in gathered],
     }
 
 

@@ -1,0 +1,90 @@
+"""A proxy in front of the test S3 server that breaks object reads mid-body, as a flaky network does.
+
+Every ``every``-th object read (a GET of a key, not a listing) of at least
+``min_bytes`` gets its status, its headers (with the whole Content-Length)
+and half its body, then the connection is shut: the client sees the body
+break off, which botocore's own retries do not cover. Everything else
+passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import socket
+import threading
+import urllib.parse
+
+# Hop-by-hop headers, which the proxy sets itself.
+_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
+
+
+class CuttingProxy:
+    """``url`` forwards to ``upstream``; ``reads`` object reads seen, ``cuts`` of them broken."""
+
+    def __init__(self, upstream: str, every: int, min_bytes: int = 1024):
+        target = urllib.parse.urlsplit(upstream)
+        self.every, self.min_bytes = every, min_bytes
+        self.reads = self.cuts = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as boto3's pool expects
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                try:
+                    # The Host header goes as the client signed it.
+                    upstream.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                    response = upstream.getresponse()
+                    data = response.read()
+                    headers = response.getheaders()
+                finally:
+                    upstream.close()
+                cut = self.command == "GET" and proxy._cut_this(self.path, len(data))
+                self.send_response_only(response.status, response.reason)
+                for name, value in headers:
+                    if name.lower() not in _HOP or (self.command == "HEAD" and name.lower() == "content-length"):
+                        self.send_header(name, value)
+                if self.command != "HEAD":
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if not cut:
+                    self.wfile.write(data)
+                    return
+                self.wfile.write(data[: len(data) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="s3-proxy", daemon=True)
+        self._thread.start()
+
+    def _cut_this(self, path: str, size: int) -> bool:
+        parts = urllib.parse.urlsplit(path)
+        bucket, _, key = parts.path.lstrip("/").partition("/")
+        if not key or "list-type" in parts.query or size < self.min_bytes:
+            return False
+        with self._lock:
+            self.reads += 1
+            if self.reads % self.every:
+                return False
+            self.cuts += 1
+            return True
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
