@@ -113,7 +113,12 @@ case "$mode" in
     (($#)) || die "give the hvd-train command after --"
     total=0
     IFS=, read -ra entries <<<"$hosts"
-    for entry in "${entries[@]}"; do total=$((total + ${entry##*:})); done
+    for entry in "${entries[@]}"; do
+      slots=${entry##*:}
+      # Checked before the arithmetic, which would evaluate any text (a name, a $(command)).
+      [[ "$entry" == *:* && "$slots" =~ ^[1-9][0-9]*$ ]] || die "--hosts: '$entry' is not HOST:SLOTS (e.g. node1:4)"
+      total=$((total + slots))
+    done
     run=(hvd-train launch -np "${np:-$total}" --gloo -H "$hosts" -p "$ssh_port")
     [[ -n "$iface" ]] && run+=(--network-interface "$iface")
     run_or_print "${cmd[@]}" -v "$ssh_dir:/home/hvd/.ssh:ro" --entrypoint "${run[0]}" "$image" \

@@ -65,12 +65,23 @@ def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
     assert "--network none" in cmd and "--gpus all" in cmd
     cmd = dry("docker.sh", "primary", "--hosts", "n1:8,n2:8", "--", "train", "--data", "s3://b/x/")
     assert "-np 16 --gloo -H n1:8\\,n2:8 -p 12345" in cmd
+    # --hosts is checked, never evaluated: a command substitution in it runs nothing.
+    canary = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd-train-canary-{os.getpid()}"
+    for hosts in ("n1:8,n2:a[$(touch " + str(canary) + ")]", "n1:8,n2", "n1:x"):
+        proc = run(["bash", LAUNCH / "docker.sh", "primary", "--hosts", hosts, "--", "demo"], timeout=60, DRY_RUN="1")
+        assert proc.returncode == 2 and "is not HOST:SLOTS" in proc.stderr, output_of(proc)
+    assert not canary.exists()
     cmd = dry("docker.sh", "worker", "--network", "hvdnet", "--name", "w1", "--ssh-dir", "/keys")
     assert "--network hvdnet" in cmd and "--name w1 --hostname w1" in cmd and "-v /keys:/home/hvd/.ssh:ro" in cmd
     proc = run(["bash", LAUNCH / "docker.sh", "worker", "--network", "hvdnet"], timeout=60)
     assert proc.returncode == 2 and "needs --name" in proc.stderr
     cmd = dry("slurm.sbatch", "--", "train", "--data", "x", HVD_TRAIN_IFACE="eth2")
-    assert cmd == "srun --mpi=pmix --kill-on-bad-exit=0 hvd-train train --data x"
+    assert cmd == "srun --mpi=pmix --kill-on-bad-exit=0 --wait=60 hvd-train train --data x"
+    # Elastic: horovodrun's options from HVD_TRAIN_LAUNCH_ARGS, split as a shell splits words.
+    more = "--elastic-timeout 300 --output-filename '/shared/job logs' $(touch x)"
+    cmd = dry("slurm.sbatch", "--", "train", "--elastic", HVD_TRAIN_LAUNCH_ARGS=more, SLURM_NTASKS="4")
+    assert "--max-np 4 " in cmd and " --elastic-timeout 300 --output-filename /shared/job\\ logs " in cmd, cmd
+    assert "\\$\\(touch x\\)" in cmd and cmd.endswith("hvd-train train --elastic"), cmd
     proc = run(["bash", LAUNCH / "slurm.sbatch", "--", "train"], timeout=60, DRY_RUN="1", HVD_TRAIN_IFACE="lo")
     assert proc.returncode == 2 and "HVD_TRAIN_IFACE=lo" in proc.stderr, output_of(proc)
 

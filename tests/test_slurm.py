@@ -170,9 +170,28 @@ def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_s
     from hvd_train.training import checkpoints
 
     found = checkpoints.latest(str(out))
-    assert found is not None and found.state.epoch_steps > 0, log  # written at the stop, mid-epoch
+    # Written at the stop, mid-epoch (the checkpoint says so whether or not the ranks' lines got out).
+    assert found is not None and found.state.epoch_steps > 0, log
+    assert re.fullmatch(r"stopped by (SIGTERM|SIGUSR1|a signal to another rank)", found.info["reason"]), found.info
     if "stopped by" in log:
         assert stop_lines(log, "SIG(TERM|USR1)") == [Path(found.path)]
+
+
+def test_a_rank_killed_without_mpi_abort_ends_the_job(cluster, demo_small, tmp_path):
+    # SIGKILL to one rank, as the OOM killer or a segfault ends it: no MPI_Abort. The other rank
+    # must not wait in a collective until the time limit: srun ends the step HVD_TRAIN_SRUN_WAIT
+    # seconds after the first task ended (--wait), and says which one it was.
+    out, samples = tmp_path / "run", tmp_path / "samples"
+    program = ["train", *train_args(demo_small, out, samples, epochs=100)]
+    proc = submit(cluster, tmp_path, program, HVD_TRAIN_SRUN_WAIT="10")
+    wait_for_steps(proc, samples, 5, tmp_path, rank=1)
+    [victim] = Path(samples).glob("rank-1-*.jsonl")
+    os.kill(int(victim.stem.split("-")[2]), 9)
+    proc = finish(proc, cluster, tmp_path, timeout=240)  # a job that hung would fail here
+    log = log_of(tmp_path)
+    assert proc.returncode != 0, f"{output_of(proc)}\n{log}"
+    assert re.search(r"srun: error: n2: task 1: Killed", log), log
+    assert "--wait=10" in log, log
 
 
 def proc_job_id(cluster):

@@ -29,15 +29,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed, plots
-    from hvd_train.data.images import why_undecodable
+    from hvd_train import distributed
     from hvd_train.data.pipeline import eval_dataset, input_errors
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
     from hvd_train.errors import UserError
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
-    from hvd_train.log import get_logger
 
     ctx = distributed.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
@@ -63,8 +61,19 @@ def run(args: argparse.Namespace) -> int:
             f"fix or remove it, or pass --on-bad-image skip.",
             agreed=True,
         )
-    if not ctx.is_root:
-        return 0
+    # Horovod: the other ranks wait for rank 0's report, so that every rank ends together (a
+    # launcher that ends a job soon after its first rank ends, as srun --wait, cuts nothing short).
+    ctx.on_root(lambda: _report(args, ctx, trained, images, result, s3), name="evaluate_report")
+    return 0
+
+
+def _report(args, ctx, trained, images, result, s3) -> None:
+    """Rank 0: the skipped images, ``evaluation.json``, the printed table and ``confusion.png``."""
+    from hvd_train import plots
+    from hvd_train.data.images import why_undecodable
+    from hvd_train.errors import UserError
+    from hvd_train.log import get_logger
+
     met = [images.paths[i] for i in result.skipped]
     skipped = [{"path": p, "reason": r, "found": "check"} for p, r in getattr(images, "skipped", ())]
     skipped += [{"path": p, "reason": r, "found": "evaluation"} for p, r in zip(met, why_undecodable(met, s3))]
@@ -86,7 +95,12 @@ def run(args: argparse.Namespace) -> int:
         "skipped_images": skipped,
     }
     path = args.report or os.path.join(args.model_dir, "evaluation.json")
-    files.write_json(path, report)
+    try:
+        files.write_json(path, report)
+    except OSError as e:
+        raise UserError(
+            f"cannot write {path} ({e.strerror or e}); pass --report with a folder you can write."
+        ) from None
     width = max(len(c) for c in trained.classes)
     print(f"images    {result.count}")
     print(f"accuracy  {result.accuracy:.4f}")
@@ -102,4 +116,3 @@ def run(args: argparse.Namespace) -> int:
         picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}")
     )
     get_logger().info("wrote %s%s", path, f" and {picture}" if drawn else "")
-    return 0
