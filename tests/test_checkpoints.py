@@ -311,3 +311,31 @@ def test_state_json_of_version_2_is_still_read(tmp_path):
     del body["checksum"]
     open(state_file, "w").write(json.dumps(body))
     assert checkpoints.latest(str(tmp_path)).state.epoch_steps == 3
+
+
+def test_a_checkpoint_that_cannot_be_read_for_a_moment_is_read_again_not_set_aside(tmp_path, caplog):
+    import threading
+
+    model, opt = trained()
+    save(tmp_path, state_at(1), model, opt)
+    newest = save(tmp_path, state_at(1, 9), model, opt)
+    # For a moment state.json cannot be read (a directory stands where the file is: every open
+    # fails, as on a file server failing over), then it can again.
+    state_file = os.path.join(newest, "state.json")
+    os.rename(state_file, state_file + ".away")
+    os.mkdir(state_file)
+
+    def back():
+        os.rmdir(state_file)
+        os.rename(state_file + ".away", state_file)
+
+    timer = threading.Timer(0.2, back)
+    timer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hvd_train"):
+            found = checkpoints.latest(str(tmp_path), set_aside=True)
+    finally:
+        timer.join()
+    assert found is not None and found.path == newest
+    assert not (tmp_path / "checkpoints" / checkpoints.DAMAGED).exists()
+    assert any("cannot read checkpoint" in r.message and "reading it again" in r.message for r in caplog.records)

@@ -217,6 +217,12 @@ def test_bad_images_are_skipped_and_listed(tmp_path):
         "middle.png": "training",
     }
     assert "CRC" in skipped["middle.png"]["reason"] or "PNG" in skipped["middle.png"]["reason"]
+    # A rerun resumes from the checkpoint (every epoch done: it evaluates and writes the outputs
+    # again): the images met in training before stay listed.
+    again = cli(["train", "--data", data, "--output", out, *TINY, "--epochs", "1", "--val-split", "0"])
+    assert again.returncode == 0 and "resuming from" in again.stderr, output_of(again)
+    resumed = {Path(s["path"]).name: s for s in read_json(out / "summary.json")["skipped_images"]}
+    assert resumed == skipped
     # In a log file (not a terminal), a progress line per --log-every: step, speed, loss, ETA.
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps and all(

@@ -90,7 +90,7 @@ class Boundary:
             return  # the end of the epoch checkpoints and commits
         by_steps = self.every_steps and self.state.step - self._last_checkpoint[0] >= self.every_steps
         if timed > 0 or by_steps:
-            self.save_checkpoint()
+            self.save_checkpoint("--checkpoint-every")
         if self.commit is not None:
             self._since_commit += 1
             if self._since_commit >= self.cfg.horovod.commit_every:
@@ -104,24 +104,32 @@ class Boundary:
 
     def _stop(self) -> None:
         state = self.state
-        path = self.save_checkpoint()
         by = f"{self.stop.name}" if self.stop.requested else "a signal to another rank"
+        path = self.save_checkpoint(f"stopped by {by}")
         raise Preempted(
             f"stopped by {by} in epoch {state.epoch + 1}/{self.cfg.run.epochs} after step {state.epoch_steps} "
             f"({state.samples} of {state.total} images of the epoch); checkpoint {path}; "
             f"rerun the same command to continue."
         )
 
-    def save_checkpoint(self) -> str:
+    def save_checkpoint(self, reason: str = "end of epoch") -> str:
         """Rank 0 writes a checkpoint of the current state; every rank takes part and gets its path.
+
+        Args:
+            reason: why it is written, kept in it (``reason``): ``end of epoch``,
+                ``--checkpoint-every``, or ``stopped by SIGTERM`` (rank 0's words).
 
         Raises:
             UserError: on every rank, when the checkpoint cannot be written.
         """
         started = time.perf_counter()
         state, ctx = self.state, self.ctx
-        # Horovod: the values that differ between ranks go into the checkpoint too.
-        rows = ctx.allgather_object(self.net.read_local().astype(np.float32), name="local_values")
+        # Horovod: the values that differ between ranks go into the checkpoint too, with the
+        # training images each rank met undecodable and has not reported yet (at the epoch's end).
+        gathered = ctx.allgather_object(
+            (self.net.read_local().astype(np.float32), sorted(self.history.undecodable)), name="local_values"
+        )
+        rows = [row for row, _ in gathered]
         local = np.stack(rows) if ctx.size <= MAX_LOCAL_ROWS else np.mean(rows, axis=0, keepdims=True)
         info = {
             "model": self.job.spec.name,
@@ -129,6 +137,10 @@ class Boundary:
             "global_batch": state.global_batch,
             "metrics": self.history.metrics_of(state.epoch - 1),
             "data": self.job.data_identity(),
+            "reason": reason,
+            # What summary.json lists as skipped, so that a resumed run lists it too.
+            "skipped": [[path, reason, when] for path, (reason, when) in self.history.skipped.items()],
+            "undecodable": sorted({i for _, ids in gathered for i in ids}),
         }
 
         def write() -> str:

@@ -216,6 +216,14 @@ def candidates(output: str) -> list[str]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+class Unreadable(ValueError):
+    """A file of the checkpoint could not be read: maybe damage, maybe a passing fault (NFS)."""
+
+
+# Seconds between the reads of a checkpoint that could not be read, before it counts as damaged.
+READ_RETRIES = (0.5, 1.0, 2.0)
+
+
 def verify(path: str) -> Found:
     """Reads ``state.json``, checks its own checksum and every file against its size and CRC32C.
 
@@ -228,7 +236,7 @@ def verify(path: str) -> Found:
     except FileNotFoundError:
         raise ValueError("no state.json: the write did not finish") from None
     except OSError as e:
-        raise ValueError(f"state.json unreadable ({e.strerror or e})") from None
+        raise Unreadable(f"state.json unreadable ({e.strerror or e})") from None
     except ValueError as e:
         raise ValueError(f"state.json is not JSON ({e})") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT or body.get("version") not in READABLE_VERSIONS:
@@ -243,7 +251,7 @@ def verify(path: str) -> Found:
             try:
                 got = _digest(file)
             except OSError as e:
-                raise ValueError(f"{rel} unreadable ({e.strerror or e})") from None
+                raise Unreadable(f"{rel} unreadable ({e.strerror or e})") from None
             if got != want:
                 raise ValueError(
                     f"{rel} is damaged ({got['bytes']} bytes, expected {want['bytes']}; checksum mismatch)"
@@ -265,7 +273,7 @@ def latest(output: str, set_aside: bool = False) -> Found | None:
     """
     for path in candidates(output):
         try:
-            return verify(path)
+            return _verify_again_if_unreadable(path)
         except ValueError as e:
             moved = _set_aside(path) if set_aside else None
             log.warning(
@@ -275,6 +283,18 @@ def latest(output: str, set_aside: bool = False) -> Found | None:
                 f"moved it to {moved}; " if moved else "",
             )
     return None
+
+
+def _verify_again_if_unreadable(path: str) -> Found:
+    """``verify``, read again after ``READ_RETRIES`` where a read failed: a file server that
+    fails over or a network that drops for a moment must not cost the newest checkpoint."""
+    for delay in READ_RETRIES:
+        try:
+            return verify(path)
+        except Unreadable as e:
+            log.warning("cannot read checkpoint %s: %s; reading it again in %g s", path, e, delay)
+            time.sleep(delay)
+    return verify(path)
 
 
 def _set_aside(path: str) -> str | None:
