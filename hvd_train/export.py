@@ -65,7 +65,7 @@ class Serving(tf.Module):
 
     def __init__(self, trained: Trained, top_k: int):
         super().__init__()
-        from hvd_train.data.images import decode_window
+        from hvd_train.data.images import decode_window, reduce_crop
         from hvd_train.data.pipeline import center_window
 
         self.model = trained.model
@@ -94,9 +94,9 @@ class Serving(tf.Module):
             pixels = tf.map_fn(load, image_bytes, fn_output_signature=tf.TensorSpec([size, size, 3], tf.float32))
             return classify(pixels)
 
-        def from_uint8(images):
+        def from_uint8(images):  # the same steps on pixels: the crop, shrunk as a large image is, resized
             top, left, height, width = tf.unstack(window(tf.shape(images)[1:3]))
-            cut = images[:, top : top + height, left : left + width, :]
+            cut = reduce_crop(images[:, top : top + height, left : left + width, :], size)
             return classify(tf.image.resize(cut, [size, size]))
 
         self.serve_bytes = tf.function(
@@ -206,6 +206,19 @@ def run_savedmodel(path: str, paths: list[str], batch_size: int = 32) -> np.ndar
     return np.concatenate(out, axis=0)
 
 
+def run_savedmodel_uint8(path: str, paths: list[str], background: str) -> np.ndarray:
+    """``serving_uint8`` on each image's whole pixels, as a client that decodes its files gives them."""
+    from hvd_train.data.images import decode
+    from hvd_train.data.storage import os_bytes
+
+    serve = tf.saved_model.load(path).signatures["serving_uint8"]
+    out = []
+    for p in paths:  # one image a batch: one size per batch
+        pixels = decode(tf.io.read_file(os_bytes(p)), background)
+        out.append(serve(images=pixels[None])["probabilities"].numpy())
+    return np.concatenate(out, axis=0)
+
+
 def runner(fmt: str, path: str, threads: int | None = None):
     """A function from a uint8 batch to float32 probabilities that runs a TFLite or ONNX file in its runtime.
 
@@ -299,8 +312,10 @@ def contract(trained: Trained, top_k: int) -> dict:
     """What each format takes and gives, from the run."""
     size = trained.image_size
     cut = (
-        f"the centre square of side {trained.crop_fraction:g} x the shorter side, resized to {size}x{size} "
-        f"(bilinear, no antialiasing), RGB, transparent pixels composited over {trained.alpha_background}"
+        f"the centre square of side {trained.crop_fraction:g} x the shorter side, shrunk by 2, 4 or 8 while its "
+        f"side stays at least {size} (a box average; a JPEG's DCT scaling in training), then resized to "
+        f"{size}x{size} (bilinear, no antialiasing), RGB, transparent pixels composited over "
+        f"{trained.alpha_background}"
     )
     return {
         "classes": len(trained.classes),
@@ -391,44 +406,74 @@ def is_export(folder: str) -> bool:
 
 
 class Stopped(UserError):
-    """SIGTERM or SIGINT came while the export was being written; nothing of it was kept."""
+    """SIGTERM or SIGINT came while the export was being written: nothing of it was kept.
 
-    def __init__(self, signum: int, folder: str):
+    Or (``complete``) the stop came while the new export was put in place:
+    that finished first, and the command ends with the signal's status after it.
+    """
+
+    def __init__(self, signum: int, folder: str, complete: bool = False):
         name = signal.Signals(signum).name
-        super().__init__(f"export stopped by {name} before it was complete; {folder} was left as it was")
+        if complete:
+            message = f"export stopped by {name} once it was complete; the new export is in {folder}"
+        else:
+            message = f"export stopped by {name} before it was complete; {folder} was left as it was"
+        super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class _Stops:
+    """What ``stops_as_errors`` knows: whether the swap has begun, and a stop that came since."""
+
+    def __init__(self):
+        self.committed = False
+        self.pending: int | None = None
 
 
 @contextlib.contextmanager
 def stops_as_errors(folder: str):
-    """SIGTERM and SIGINT raise ``Stopped`` while the export is written, so its staging folder goes."""
+    """SIGTERM and SIGINT raise ``Stopped`` while the export is written, so its staging folder goes.
+
+    Once ``replace`` has put the new export in place, a stop no longer
+    interrupts: the old export is removed and the run's ``exports.json``
+    updated, then ``Stopped`` (complete) is raised on the way out.
+    """
+    stops = _Stops()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield stops
         return
 
     def stop(signum, frame):
+        if stops.committed:  # the swap has begun: it ends first, and the stop after it
+            stops.pending = signum
+            return
         raise Stopped(signum, folder)
 
     before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        yield stops
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+    if stops.pending is not None:
+        raise Stopped(stops.pending, folder, complete=True)
 
 
-def replace(staging: str, folder: str) -> None:
-    """Puts the finished ``staging`` folder at ``folder``, the old export there removed after."""
-    held = {signal.SIGTERM, signal.SIGINT}
-    signal.pthread_sigmask(signal.SIG_BLOCK, held)  # no stop between the two renames
-    try:
-        old = None
-        if os.path.exists(folder):
-            old = f"{folder}.old-{os.getpid()}"
-            os.replace(folder, old)
-        os.replace(staging, folder)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+def replace(staging: str, folder: str, stops: _Stops) -> None:
+    """Puts the finished ``staging`` folder at ``folder``, the old export there removed after.
+
+    From the first rename on, a stop is held by ``stops`` (the handler only
+    notes it): the swap, the removal of the old export and the run's record
+    end first. A signal may reach any thread of the process, and Python runs
+    the handler in the main thread at its next instruction whatever that
+    thread's signal mask, so the flag, not a mask, is what holds it.
+    """
+    stops.committed = True
+    old = None
+    if os.path.exists(folder):
+        old = f"{folder}.old-{os.getpid()}"
+        os.replace(folder, old)
+    os.replace(staging, folder)
     if old:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -454,13 +499,13 @@ def export(
     staging = f"{folder}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        with stops_as_errors(folder):
+        with stops_as_errors(folder) as stops:
             os.makedirs(staging)
             manifest = _write(run_dir, trained, summary, formats, quantize, staging, top_k, calibration, check)
-            replace(staging, folder)
+            replace(staging, folder, stops)
+            record_in_run(run_dir, folder, manifest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    record_in_run(run_dir, folder, manifest)
     return manifest
 
 
@@ -533,6 +578,15 @@ def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) 
         path = os.path.join(folder, entry["path"])
         if entry["format"] == "savedmodel":
             result = parity(reference, run_savedmodel(path, images.paths), images.labels, entry["quantize"])
+            # serving_uint8 gets the whole decoded pixels. Where predict decodes a large JPEG at a
+            # reduced scale in the DCT, the signature shrinks the pixels by a box average: close, not
+            # the same numbers, so it is held to the top class, as float16 files are.
+            probs = run_savedmodel_uint8(path, images.paths, trained.alpha_background)
+            pixels_in = result["serving_uint8"] = parity(reference, probs, images.labels, "float16")
+            pixels_in["input"] = "uint8 pixels of the whole images"
+            if not pixels_in["passed"]:
+                result["passed"] = False
+                result["failed"] += [f"serving_uint8: {why}" for why in pixels_in["failed"]]
         else:
             probs = runner(entry["format"], path)(uint8)
             result = parity(reference_uint8, probs, images.labels, entry["quantize"])

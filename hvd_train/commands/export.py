@@ -127,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         )
         if "accuracy" in result:
             line += f", accuracy {result['accuracy']:.4f} (predict {result['predict_accuracy']:.4f})"
+        if "serving_uint8" in result:
+            pixels_in = result["serving_uint8"]
+            line += (
+                f"; serving_uint8 top-1 agreement {pixels_in['top1_agreement']:.2%}, "
+                f"max |Δp| {pixels_in['max_abs_diff']:.2e}"
+            )
         if result["passed"]:
             log.info("%s", line)
         else:
@@ -191,8 +197,10 @@ def _calibration(args, data):
     import numpy as np
 
     from hvd_train.commands.predict import expand
+    from hvd_train.data.images import find_bad_images
     from hvd_train.errors import UserError
     from hvd_train.export import Images
+    from hvd_train.log import get_logger
 
     if args.calibration_data:
         paths = expand([args.calibration_data])
@@ -207,6 +215,16 @@ def _calibration(args, data):
     if len(paths) > args.calibration_images:
         rng = np.random.default_rng(0)
         paths = [paths[i] for i in sorted(rng.choice(len(paths), args.calibration_images, replace=False))]
+    # Decoded once each first: an image that cannot be is left out, as training leaves it out.
+    bad = dict(find_bad_images(paths))
+    if bad:
+        log = get_logger("export")
+        log.warning("int8 calibration: skipping %d image(s) that cannot be decoded:", len(bad))
+        for path, reason in bad.items():
+            log.warning("  skipped %s: %s", path, reason)
+        paths = [p for p in paths if p not in bad]
+        if not paths:
+            raise UserError(f"none of the int8 calibration images of {source} can be decoded; check them.")
     return Images(paths, None, f"{len(paths)} of {source}")
 
 

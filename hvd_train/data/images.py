@@ -162,7 +162,10 @@ def decode_window(
     ``min_side`` on its shorter side, at 1/2, 1/4 or 1/8 scale straight
     from the DCT coefficients: a crop of a 12-megapixel photo that ends up
     224 pixels wide never exists at full size. Other formats are decoded
-    whole, then cropped. The window depends only on the image's height and
+    whole, then cropped, then reduced by the same factor with an r x r box
+    average (``reduce_crop``), which is what the DCT scaling amounts to: a
+    large image of any format is shrunk without aliasing before the
+    bilinear resize. The window depends only on the image's height and
     width, so every way cuts the same part of the image.
 
     Args:
@@ -182,12 +185,7 @@ def decode_window(
 
     def jpeg():
         top, left, height, width = tf.unstack(window(tf.image.extract_jpeg_shape(contents)[:2]))
-        shorter = tf.minimum(height, width)
-        # The largest DCT scale 1/r (r = 1, 2, 4, 8) that keeps the crop at least min_side.
-        scale = tf.constant(0)
-        if min_side:
-            for i, r in enumerate((2, 4, 8), start=1):
-                scale = tf.where(shorter >= r * min_side, i, scale)
+        scale = reduction(tf.minimum(height, width), min_side)
 
         def at(r):
             def decode_scaled():
@@ -200,7 +198,48 @@ def decode_window(
         image.set_shape([None, None, 3])
         return image
 
-    return tf.cond(tf.io.is_jpeg(contents), jpeg, whole)
+    def other():
+        return reduce_crop(whole(), min_side)
+
+    return tf.cond(tf.io.is_jpeg(contents), jpeg, other)
+
+
+REDUCTIONS = (1, 2, 4, 8)
+
+
+def reduction(shorter: tf.Tensor, min_side: int) -> tf.Tensor:
+    """The index in ``REDUCTIONS`` of the largest factor r that keeps a crop's ``shorter`` side >= ``min_side``."""
+    scale = tf.constant(0)
+    if min_side:
+        for i, r in enumerate(REDUCTIONS[1:], start=1):
+            scale = tf.where(shorter >= r * min_side, i, scale)
+    return scale
+
+
+def reduce_crop(image: tf.Tensor, min_side: int) -> tf.Tensor:
+    """``image`` (uint8 [h, w, 3] or [b, h, w, 3]) shrunk by ``reduction``'s factor with an r x r box average.
+
+    What a JPEG's DCT scaling does, for pixels already decoded: each output
+    pixel is the mean of an r x r block (a partial block at the edge is
+    dropped, as ``height // r`` does), rounded back to uint8.
+    """
+    if not min_side:
+        return image
+    batched = image if image.shape.rank == 4 else image[None]
+    scale = reduction(tf.minimum(tf.shape(batched)[1], tf.shape(batched)[2]), min_side)
+
+    def by(r):
+        def reduce():
+            if r == 1:
+                return batched
+            pooled = tf.nn.avg_pool2d(tf.cast(batched, tf.float32), r, r, "VALID")
+            return tf.cast(tf.round(pooled), tf.uint8)
+
+        return reduce
+
+    reduced = tf.switch_case(scale, [by(r) for r in REDUCTIONS])
+    reduced.set_shape([None, None, None, 3])
+    return reduced if image.shape.rank == 4 else reduced[0]
 
 
 def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) -> list[tuple[str, str]]:
