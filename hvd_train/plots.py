@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hvd_train import files
 from hvd_train.log import get_logger
 
 log = get_logger("plots")
@@ -51,6 +52,7 @@ def _save(fig, path, dpi: int = 100) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plot-", suffix=".png")
     try:
+        files.as_plain_file(fd)
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=dpi)
         os.replace(tmp, path)

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -71,6 +72,11 @@ def test_outputs_of_a_run(trained_run, demo_small):
         with Image.open(out / name) as im:
             im.load()
             assert im.format == "PNG" and (size is None or im.size == size), name
+    # Every output has the mode a plain open() gives (0666 less the umask): a team can read them.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_report_in_a_real_browser(trained_run, tmp_path):

@@ -69,6 +69,10 @@ def test_shards_are_standard_tfrecords_with_every_image(folder, packed_dir):
 
     manifest = json.loads((packed_dir / "manifest.json").read_text())
     assert manifest["images"] == N and manifest["classes"] == ["class0", "class1", "class2"]
+    # As any other output: readable by the team (0666 less the umask), not by the packer alone.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {p.stat().st_mode & 0o777 for p in packed_dir.iterdir()} == {0o666 & ~umask}
     assert manifest["class_counts"] == [16, 16, 15]
     assert len(manifest["shards"]) > 3, "a small --shard-size gives many shards"
     seen = {}
