@@ -1,13 +1,15 @@
 """``hvd-train launch``: Horovod's own runner (``horovodrun``), with a stop that ends as one.
 
-horovodrun turns any rank's non-zero exit into a ``RuntimeError`` and prints
-its traceback, so a job whose ranks stopped cleanly after a signal (each
-printed where it stopped and that its checkpoint is written, and exited
-with 75) looks like a crash. ``hvd-train launch`` runs the same code with
-the same arguments and signal handling (``horovod.runner.launch``), and
-ends with the ranks' status instead: 75 and nothing more after a stop; for
-another failure, Horovod's message in one line and the first failed rank's
-status.
+Horovod 0.28.1 as released turns any rank's non-zero exit into a
+``RuntimeError`` and prints its traceback, so a job whose ranks stopped
+cleanly after a signal (each printed where it stopped and that its
+checkpoint is written, and exited with 75) looks like a crash. Our patch of
+Horovod (``launch/patches``) makes ``horovodrun`` itself end with 75 and
+nothing more when every failed rank exited 75, and gives the error every
+failed rank's status (``exit_codes``). ``hvd-train launch`` runs the same
+code with the same arguments and signal handling
+(``horovod.runner.launch``); for another failure it prints Horovod's
+message in one line and ends with a failed rank's status other than 75.
 
 It also keeps each rank's own status. Horovod 0.28.1 runs a rank through
 ``sh -c`` and, to end it, signals the rank, waits until it has exited, then
@@ -52,11 +54,12 @@ def main(argv: list[str]) -> int:
         runner.run_commandline()
     except RuntimeError as e:
         message = " ".join(str(e).split())
-        found = _EXIT_CODE.search(message)
-        code = int(found.group(1)) if found else 1
-        if code != EXIT_PREEMPTED:
-            print(f"hvd-train launch: {message}", file=sys.stderr)
-        return code
+        # Every failed rank's status (our patch), else the first one's from the message.
+        codes = getattr(e, "exit_codes", None) or [int(m) for m in _EXIT_CODE.findall(message)[:1]] or [1]
+        if set(codes) == {EXIT_PREEMPTED}:
+            return EXIT_PREEMPTED
+        print(f"hvd-train launch: {message}", file=sys.stderr)
+        return next(code for code in codes if code != EXIT_PREEMPTED)
     return 0
 
 
