@@ -19,6 +19,7 @@ SHELL_SCRIPTS := launch/install.sh launch/_common.sh launch/mpirun.sh launch/hor
 
 test: install
 	$(BIN)/ruff check hvd_train tests benchmarks
+	$(BIN)/ruff format --check hvd_train tests benchmarks
 	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -16,7 +16,15 @@ import pytest
 
 from conftest import BIN, TINY, output_of, read_json, run, unavailable
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+
+@pytest.fixture
+def two_cpus():
+    """Linux's affinity masks and 2 CPUs or more, to leave one out (HVD_TRAIN_REQUIRE=cpus makes it a must)."""
+    if not hasattr(os, "sched_getaffinity"):
+        unavailable("cpus", "CPU affinity masks are Linux's")
+    if (os.cpu_count() or 1) < 2:
+        unavailable("cpus", "needs 2 CPUs or more, to leave one out or set a quota below them")
+
 
 HVD_TRAIN = [str(BIN / "hvd-train")]
 # TINY without its --threads-per-rank, so that the run picks its own number.
@@ -31,8 +39,7 @@ def doctor_cpus(prefix=()):
     return dict(line.split(None, 1) for line in lines.splitlines())
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs to leave one out")
-def test_a_taskset_mask_sets_the_threads(demo_small, tmp_path):
+def test_a_taskset_mask_sets_the_threads(two_cpus, demo_small, tmp_path):
     machine = os.cpu_count()
     free = doctor_cpus()
     assert free["affinity"] == str(machine) and free["threads"].startswith(f"{machine} per rank, from the affinity")
@@ -89,8 +96,7 @@ def one_cpu_cgroup():
                 time.sleep(0.1)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs for a quota below them")
-def test_a_cgroup_cpu_quota_sets_the_threads(one_cpu_cgroup, demo_small, tmp_path):
+def test_a_cgroup_cpu_quota_sets_the_threads(two_cpus, one_cpu_cgroup, demo_small, tmp_path):
     found = doctor_cpus(one_cpu_cgroup)
     assert found["cgroup"] == "quota of 1 CPUs", found
     assert found["threads"].startswith("1 per rank, from the cgroup quota"), found

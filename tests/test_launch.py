@@ -278,13 +278,18 @@ def test_doctor_checks_s3(s3_server):
     assert proc.returncode == 1 and "cannot reach S3" in proc.stdout, output_of(proc)
 
 
-def test_install_script_is_idempotent_and_quick_when_installed():
-    # The environment this test runs in was made by launch/install.sh; a second run finds everything.
+def test_install_script_is_idempotent():
+    # The environment this test runs in was made by launch/install.sh; a second run finds everything
+    # and redoes nothing but the (editable) install of hvd_train itself. How long a second run takes
+    # is no test's business: docs/development.md reports it.
     proc = run(["bash", LAUNCH / "install.sh"], timeout=600, HVD_TRAIN_VENV=str(Path(sys.executable).parent.parent))
     assert proc.returncode == 0, output_of(proc)
     built_against = f"horovod 0.28.1 already installed (built against tensorflow {metadata.version('tensorflow')})"
-    for step in ("already installed", built_against, "[X] MPI", "[X] Gloo"):
+    for step in ("apt: ", "pip: mpi4py already installed", built_against, "[X] MPI", "[X] Gloo"):
         assert step in proc.stdout, proc.stdout
+    redone = ["apt: installing", "venv: creating", "pip: installing tensorflow", "building mpi4py", "horovod: build",
+              "using cached wheel", "building the loopback"]  # fmt: skip
+    assert not [step for step in redone if step in proc.stdout], proc.stdout
 
 
 def test_install_script_refuses_a_stack_it_is_not_tested_on(tmp_path):
