@@ -196,6 +196,19 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, ext
     served = manifest["check"]["formats"][0]
     assert served["max_abs_diff"] <= 1e-4 and served["serving_uint8"]["top1_agreement"] == 1.0, served
     assert "serving_uint8 top-1 agreement 100.00%" in proc.stderr
+    # A large PNG is shrunk by the same box average whether the SavedModel decodes it or is given its
+    # pixels: the two signatures agree to float rounding (a plain resize of the pixels does not).
+    from PIL import Image
+
+    from hvd_train.export import run_savedmodel, run_savedmodel_uint8
+
+    pngs = []
+    for i, path in enumerate(sorted(large_colours.rglob("*.jpg"))[::10]):
+        with Image.open(path) as im:
+            im.save(tmp_path / f"{i}.png")
+        pngs.append(str(tmp_path / f"{i}.png"))
+    saved = str(folder / manifest["formats"][0]["path"])
+    assert np.allclose(run_savedmodel(saved, pngs), run_savedmodel_uint8(saved, pngs, "white"), rtol=0, atol=1e-6)
     if "mixed_float16" in extra:
         assert manifest["source"]["precision"] == "mixed_float16"
         import onnx
