@@ -21,17 +21,6 @@ ALPHA_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
 DEFAULT_ALPHA_BACKGROUND = "white"
 
 
-def plain(fn):
-    """``fn`` as tf.data traces it, without AutoGraph's conversion.
-
-    The functions of the input pipeline have no Python control flow on
-    tensors (their branches are ``tf.cond`` and ``tf.switch_case``), so
-    converting them buys nothing, and it cost seconds at every start: the
-    decoding graph is large, and each ``map`` converted it again.
-    """
-    return tf.autograph.experimental.do_not_convert(fn)
-
-
 def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND, portable: bool = False) -> tf.Tensor:
     """Decodes JPEG/PNG/GIF/BMP bytes to an RGB uint8 tensor of shape (h, w, 3).
 
@@ -276,7 +265,7 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) ->
         return path, tf.shape(image)
 
     names = tf.constant([storage.os_bytes(p) for p in paths], tf.string)
-    ds = tf.data.Dataset.from_tensor_slices(names).map(plain(probe), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = tf.data.Dataset.from_tensor_slices(names).map(probe, num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.ignore_errors()
     if threads:
         options = tf.data.Options()
@@ -373,7 +362,7 @@ def sort_out(stream: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes, 
         gen, output_signature=(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
     )
     # A decode error drops the element; the gap in the indices says which.
-    ds = ds.map(plain(probe), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+    ds = ds.map(probe, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
     for i, shape in ds.prefetch(16).as_numpy_iterator():
         if failed:
             raise failed[0]
