@@ -252,7 +252,7 @@ def test_weights_that_do_not_fit(tmp_path):
     keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3)).save_weights(path)
     data = write_images(tmp_path / "d", {"a": 3, "b": 3})
     proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--weights", path])
-    assert_one_line_error(proc, f"weights file {path} does not fit MobileNetV2")
+    assert_one_line_error(proc, f"weights file {path} does not fit MobileNet")
 
 
 def test_evaluate_needs_a_finished_run(tmp_path):

@@ -10,15 +10,19 @@ import sys
 
 import numpy as np
 
-from hvd_train import config, distributed, log
+from hvd_train import compute, config, distributed, log
 from hvd_train.training import run
 
 dump_dir, train_args = sys.argv[1], sys.argv[2:]
 parser = argparse.ArgumentParser()
 config.add_arguments(parser)
 cfg = config.from_sources(parser.parse_args(train_args))
+# As `hvd-train train` does before Horovod and TensorFlow start (commands/train.py).
 os.environ.update(cfg.horovod.environment(cfg.run.output))
+os.makedirs(cfg.run.output, exist_ok=True)
+compute.xla_environment(cfg.compute.xla)
 ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
+compute.use_xla(cfg.compute.xla)
 log.setup(ctx.rank, ctx.size)
 outcome = run.run(cfg, ctx)
 assert outcome.summary["world_size"] == ctx.size == int(os.environ.get("EXPECTED_SIZE", ctx.size))
