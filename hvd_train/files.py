@@ -8,20 +8,41 @@ import contextlib
 import hashlib
 import json
 import os
+import threading
 
 
-def write_text(path: str, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file beside it and a rename."""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+@contextlib.contextmanager
+def replacing(path: str, mode: str = "w", sync: bool = False):
+    """A file open on a temporary name beside ``path``, renamed over ``path`` when the block ends.
+
+    If the block raises, the temporary file is removed and ``path`` is left as
+    it was. The file is made by a plain ``open``, so it has the mode every
+    other output has (0666 less the umask), not ``mkstemp``'s 0600.
+
+    Args:
+        mode: ``"w"`` (UTF-8 text) or ``"wb"``.
+        sync: flush the file to disk before the rename.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
+        with open(tmp, mode, **text) as f:
+            yield f
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_text(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file beside it and a rename."""
+    with replacing(path) as f:
+        f.write(text)
 
 
 def read_json(path: str, default=None):
@@ -45,27 +66,3 @@ def sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def as_plain_file(fd: int) -> None:
-    """Gives the file ``fd`` the mode a plain ``open`` would have: 0666 less the umask.
-
-    ``tempfile.mkstemp`` makes its files 0600, so an output written through
-    one and renamed into place would be readable by its owner alone (not by a
-    team's group, nor by a container running as another user).
-    """
-    os.fchmod(fd, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (``os.umask`` sets it to read it)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -49,17 +48,8 @@ def _save(fig, path, dpi: int = 100) -> None:
     if not isinstance(path, str | os.PathLike):
         fig.savefig(path, format="png", dpi=dpi)
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".plot-", suffix=".png")
-    try:
-        files.as_plain_file(fd)
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=dpi)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with files.replacing(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
 
 
 def _column(rows: Sequence[dict], key: str) -> np.ndarray:

@@ -30,7 +30,7 @@ def test_curves_are_refreshed_after_every_epoch(tmp_path):
             first = (tmp_path / "curves.png").read_bytes()
     second = (tmp_path / "curves.png").read_bytes()
     assert first != second and second.startswith(b"\x89PNG")
-    assert not list(tmp_path.glob(".plot-*"))  # written through a temporary file, renamed
+    assert not list(tmp_path.glob(".*.tmp-*"))  # written through a temporary file, renamed
     assert [r["epoch"] for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == ["1", "2"]
     reporters.close()
     assert not reporters._thread.is_alive(), "the painter ends with its writers"

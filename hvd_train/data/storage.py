@@ -19,7 +19,6 @@ import io
 import os
 import random
 import re
-import tempfile
 import threading
 import time
 import unicodedata
@@ -168,18 +167,8 @@ class LocalStore(Store):
     def write(self, rel: str, data: bytes) -> None:
         path = os.path.join(self.root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.")
-        try:
-            files.as_plain_file(fd)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with files.replacing(path, "wb", sync=True) as f:
+            f.write(data)
 
     def delete(self, rel: str) -> None:
         try:
