@@ -13,6 +13,14 @@ from hvd_train.errors import UserError
 from hvd_train.files import read_json, sha256
 from hvd_train.models import get_spec
 
+# What a finished run leaves for inference, written together (training/finish.py).
+MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
+
+
+def model_files(folder: str) -> dict[str, str]:
+    """The SHA-256 of ``model.keras``, ``labels.json`` and ``run_config.yaml`` in ``folder``."""
+    return {name: sha256(os.path.join(folder, name)) for name in (MODEL, LABELS, CONFIG)}
+
 
 @dataclass(frozen=True)
 class Trained:
@@ -42,23 +50,23 @@ def load_trained(model_dir: str) -> Trained:
         UserError: the folder is not a finished training run.
     """
     hint = "--model-dir takes the --output folder of a finished `hvd-train train`"
-    paths = {name: os.path.join(model_dir, name) for name in ("model.keras", "labels.json", "run_config.yaml")}
+    paths = {name: os.path.join(model_dir, name) for name in (MODEL, LABELS, CONFIG)}
     for name, path in paths.items():
         if not os.path.isfile(path):
             raise UserError(f"{model_dir} has no {name}; {hint}.")
-    _check_written_together(model_dir, paths)
-    with open(paths["labels.json"], encoding="utf-8") as f:
+    _check_written_together(model_dir)
+    with open(paths[LABELS], encoding="utf-8") as f:
         classes = json.load(f)
-    with open(paths["run_config.yaml"], encoding="utf-8") as f:
+    with open(paths[CONFIG], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
     try:
-        model = keras.models.load_model(paths["model.keras"], compile=False)
+        model = keras.models.load_model(paths[MODEL], compile=False)
     except Exception as e:  # a truncated or foreign file; Keras raises many types
-        raise UserError(f"cannot load {paths['model.keras']} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+        raise UserError(f"cannot load {paths[MODEL]} ({str(e).splitlines()[0][:200]}); {hint}.") from None
     outputs = int(model.output_shape[-1])
     if len(classes) != outputs:
         raise UserError(
-            f"{paths['labels.json']} names {len(classes)} classes but {paths['model.keras']} has {outputs} outputs: "
+            f"{paths[LABELS]} names {len(classes)} classes but {paths[MODEL]} has {outputs} outputs: "
             f"they are not of the same run; train again into {model_dir} to write them together."
         )
     spec = get_spec(run_config["model"]["name"])
@@ -72,7 +80,7 @@ def load_trained(model_dir: str) -> Trained:
     )
 
 
-def _check_written_together(model_dir: str, paths: dict[str, str]) -> None:
+def _check_written_together(model_dir: str) -> None:
     """Refuses a model whose labels or configuration are not the ones its run wrote with it.
 
     ``summary.json`` records the SHA-256 of the three files as the run wrote
@@ -81,7 +89,7 @@ def _check_written_together(model_dir: str, paths: dict[str, str]) -> None:
     recorded = (read_json(os.path.join(model_dir, "summary.json"), {}) or {}).get("model_files")
     if not isinstance(recorded, dict):
         return
-    changed = [name for name, path in paths.items() if name in recorded and recorded[name] != sha256(path)]
+    changed = [name for name, digest in model_files(model_dir).items() if recorded.get(name, digest) != digest]
     if changed:
         raise UserError(
             f"{' and '.join(changed)} in {model_dir} {'is' if len(changed) == 1 else 'are'} not what its run wrote "

@@ -24,6 +24,7 @@ from hvd_train.data import storage
 from hvd_train.distributed import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
+from hvd_train.inference import CONFIG, LABELS, MODEL, model_files
 from hvd_train.log import get_logger
 from hvd_train.models import build_model
 from hvd_train.training import epoch_end
@@ -31,9 +32,6 @@ from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
-
-
-MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
 
 
 def describe(job: Job, force: bool = False) -> bool:
@@ -53,11 +51,6 @@ def describe(job: Job, force: bool = False) -> bool:
     files.write_json(os.path.join(out, LABELS), list(job.classes))
     files.write_text(os.path.join(out, CONFIG), job.cfg.to_yaml())
     return True
-
-
-def model_files(folder: str) -> dict[str, str]:
-    """The SHA-256 of ``model.keras``, ``labels.json`` and ``run_config.yaml`` in ``folder``."""
-    return {name: files.sha256(os.path.join(folder, name)) for name in (MODEL, LABELS, CONFIG)}
 
 
 @dataclass(frozen=True)
