@@ -163,11 +163,7 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset
         return alone.map(load).ignore_errors().concatenate(alone.map(stand_in)).take(1)
 
     return ds.interleave(
-        one,
-        cycle_length=tf.data.AUTOTUNE,
-        block_length=1,
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
+        one, cycle_length=tf.data.AUTOTUNE, block_length=1, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
     )
 
 

@@ -139,7 +139,7 @@ class Boundary:
             "data": self.job.data_identity(),
             "reason": reason,
             # What summary.json lists as skipped, so that a resumed run lists it too.
-            "skipped": [[path, reason, when] for path, (reason, when) in self.history.skipped.items()],
+            "skipped": [[path, why, when] for path, (why, when) in self.history.skipped.items()],
             "undecodable": sorted({i for _, ids in gathered for i in ids}),
         }
 

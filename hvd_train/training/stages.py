@@ -297,18 +297,10 @@ def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
     or resume an update half accumulated under another count.
     """
     cfg = job.cfg
-    differ = [
-        f"--{flag} {then} then, {now} now"
-        for flag, then, now in (
-            ("seed", found.state.seed, cfg.run.seed),
-            ("grad-accum", found.state.accum, cfg.horovod.grad_accum),
-        )
-        if then != now
-    ]
+    options = (("seed", found.state.seed, cfg.run.seed), ("grad-accum", found.state.accum, cfg.horovod.grad_accum))
+    differ = [f"--{flag} {then} then, {now} now" for flag, then, now in options if then != now]
     if differ:
-        same = " ".join(
-            f"--{flag} {then}" for flag, then in (("seed", found.state.seed), ("grad-accum", found.state.accum))
-        )
+        same = " ".join(f"--{flag} {then}" for flag, then, _ in options)
         raise UserError(
             f"checkpoint {found.path} was made with other options ({'; '.join(differ)}): the resumed run would "
             f"deal its images and updates otherwise than the run it continues. Give {same} to resume, or "
