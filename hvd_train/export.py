@@ -197,8 +197,9 @@ def write_onnx(trained: Trained, quantize: str, calibration: np.ndarray | None, 
 # --- Running an export in its own runtime --------------------------------------------------------
 
 
-def run_savedmodel(path: str, paths: list[str], batch_size: int = 32) -> np.ndarray:
-    serve = tf.saved_model.load(path).signatures["serving_default"]
+def run_savedmodel(saved, paths: list[str], batch_size: int = 32) -> np.ndarray:
+    """``serving_default`` of the loaded SavedModel ``saved`` on the image files ``paths``."""
+    serve = saved.signatures["serving_default"]
     out = []
     for i in range(0, len(paths), batch_size):
         contents = [open(p, "rb").read() for p in paths[i : i + batch_size]]
@@ -206,12 +207,12 @@ def run_savedmodel(path: str, paths: list[str], batch_size: int = 32) -> np.ndar
     return np.concatenate(out, axis=0)
 
 
-def run_savedmodel_uint8(path: str, paths: list[str], background: str) -> np.ndarray:
+def run_savedmodel_uint8(saved, paths: list[str], background: str) -> np.ndarray:
     """``serving_uint8`` on each image's whole pixels, as a client that decodes its files gives them."""
     from hvd_train.data.images import decode
     from hvd_train.data.storage import os_bytes
 
-    serve = tf.saved_model.load(path).signatures["serving_uint8"]
+    serve = saved.signatures["serving_uint8"]
     out = []
     for p in paths:  # one image a batch: one size per batch
         pixels = decode(tf.io.read_file(os_bytes(p)), background)
@@ -577,11 +578,12 @@ def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) 
     for entry in manifest["formats"]:
         path = os.path.join(folder, entry["path"])
         if entry["format"] == "savedmodel":
-            result = parity(reference, run_savedmodel(path, images.paths), images.labels, entry["quantize"])
+            saved = tf.saved_model.load(path)  # once, for both signatures
+            result = parity(reference, run_savedmodel(saved, images.paths), images.labels, entry["quantize"])
             # serving_uint8 gets the whole decoded pixels. Where predict decodes a large JPEG at a
             # reduced scale in the DCT, the signature shrinks the pixels by a box average: close, not
             # the same numbers, so it is held to the top class, as float16 files are.
-            probs = run_savedmodel_uint8(path, images.paths, trained.alpha_background)
+            probs = run_savedmodel_uint8(saved, images.paths, trained.alpha_background)
             pixels_in = result["serving_uint8"] = parity(reference, probs, images.labels, "float16")
             pixels_in["input"] = "uint8 pixels of the whole images"
             if not pixels_in["passed"]:

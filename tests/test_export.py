@@ -200,6 +200,7 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, ext
     # pixels: the two signatures agree to float rounding (a plain resize of the pixels does not).
     from PIL import Image
 
+    from hvd_train.compat import tf
     from hvd_train.export import run_savedmodel, run_savedmodel_uint8
 
     pngs = []
@@ -207,7 +208,7 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, ext
         with Image.open(path) as im:
             im.save(tmp_path / f"{i}.png")
         pngs.append(str(tmp_path / f"{i}.png"))
-    saved = str(folder / manifest["formats"][0]["path"])
+    saved = tf.saved_model.load(str(folder / manifest["formats"][0]["path"]))
     assert np.allclose(run_savedmodel(saved, pngs), run_savedmodel_uint8(saved, pngs, "white"), rtol=0, atol=1e-6)
     if "mixed_float16" in extra:
         assert manifest["source"]["precision"] == "mixed_float16"
