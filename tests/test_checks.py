@@ -122,7 +122,7 @@ def test_an_image_broken_inside_becomes_a_stand_in_with_its_place_kept(folder):
 # The training step itself (Net.step: Horovod's optimizer, the weights it derives from the ids) on
 # a small model, in a process of its own (Horovod is initialised). Prints the update of each case.
 _STEP = """
-import json, sys
+import json
 import numpy as np
 from hvd_train import config, distributed
 from hvd_train.classifier import Net

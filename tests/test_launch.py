@@ -50,7 +50,7 @@ def test_scripts_refuse_loopback_and_missing_commands():
     assert proc.returncode == 2 and "give the hvd-train command" in proc.stderr
 
 
-def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
+def test_horovodrun_docker_and_slurm_scripts_print_their_commands(tmp_path):
     cmd = dry(
         "horovodrun.sh", "--np", "8", "-H", "g1:4,g2:4", "--network-interface", "ib0", "--", "train", "--data", "x"
     )
@@ -66,7 +66,7 @@ def test_horovodrun_docker_and_slurm_scripts_print_their_commands():
     cmd = dry("docker.sh", "primary", "--hosts", "n1:8,n2:8", "--", "train", "--data", "s3://b/x/")
     assert "-np 16 --gloo -H n1:8\\,n2:8 -p 12345" in cmd
     # --hosts is checked, never evaluated: a command substitution in it runs nothing.
-    canary = Path(os.environ.get("TMPDIR", "/tmp")) / f"hvd-train-canary-{os.getpid()}"
+    canary = tmp_path / "canary"
     for hosts in ("n1:8,n2:a[$(touch " + str(canary) + ")]", "n1:8,n2", "n1:x"):
         proc = run(["bash", LAUNCH / "docker.sh", "primary", "--hosts", hosts, "--", "demo"], timeout=60, DRY_RUN="1")
         assert proc.returncode == 2 and "is not HOST:SLOTS" in proc.stderr, output_of(proc)
