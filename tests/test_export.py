@@ -176,7 +176,9 @@ def test_quantized_files_meet_their_goals(quantize, mobilenet_run, tmp_path):
     "model, extra",
     [
         ("ResNet50", ["--freeze-backbone", "--batch-size", "16", "--epochs", "1"]),
-        ("EfficientNetB0", ["--precision", "mixed_float16", "--batch-size", "8", "--epochs", "8"]),
+        # Preprocessing inside the model, as EfficientNet's (benchmarks/RESULTS.md records EfficientNetB0's
+        # exports): MobileNetV3Small's graph exports in half the time.
+        ("MobileNetV3Small", ["--precision", "mixed_float16", "--batch-size", "8", "--epochs", "8"]),
     ],
 )
 def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, extra, colours, large_colours, tmp_path):
