@@ -43,15 +43,16 @@ ENV = dict(
 STOP_CHECK = """
 import statistics, time
 import tensorflow as tf
-from hvd_train import config, distributed
+from hvd_train import config
+from hvd_train.distributed import gradients, start
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.models import build_model
 
-ctx = distributed.init(threads_per_rank=1)
+ctx = start.init(threads_per_rank=1)
 cfg = config.build({"data": {"train": "d", "batch_size": 16}, "model": {"weights": "none"}, "run": {"output": "o"}})
 use_step_seeded_dropout()
 net = Net(build_model(cfg.model, 5, 64, load_weights=False), cfg, 1, ctx.rank)
-distributed.broadcast_variables(net.variables, ctx)
+gradients.broadcast_variables(net.variables, ctx)
 images = tf.random.stateless_uniform((16, 64, 64, 3), seed=(1, 2)) * 255
 batch = (images, tf.zeros((16,), tf.int32), tf.zeros((16,), tf.int64))
 it = iter(tf.data.Dataset.from_tensors(batch).repeat())

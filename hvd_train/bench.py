@@ -24,7 +24,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -109,7 +109,7 @@ def run(cfg: BenchConfig, ctx: Context) -> dict:
 
 
 def _result(cfg: BenchConfig, ctx: Context, gathered: list[dict]) -> dict:
-    from hvd_train import distributed
+    from hvd_train.distributed import start
 
     variants = {}
     for name in gathered[0]:
@@ -129,7 +129,7 @@ def _result(cfg: BenchConfig, ctx: Context, gathered: list[dict]) -> dict:
         # rewritten by the loopback fix, or equal across containers).
         "hosts": sum(ctx.allgather_object(ctx.local_rank == 0, name="bench_hosts")),
         "results": variants,
-        **distributed.versions(),
+        **start.versions(),
     }
     if "fused" in variants and "full" in variants:
         result["fused_over_full"] = variants["fused"]["total"] / variants["full"]["total"]
@@ -147,10 +147,11 @@ def _report(ctx: Context, label: str, step: int, total: int, rate: float) -> Non
 
 def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     """Times the real training step (``classifier.Net``) on random or real batches."""
-    from hvd_train import compute, distributed
+    from hvd_train import compute
     from hvd_train.classifier import Net, use_step_seeded_dropout
     from hvd_train.compat import tf
     from hvd_train.config import TrainConfig, build
+    from hvd_train.distributed import gradients
     from hvd_train.models import build_model
 
     numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
@@ -173,7 +174,7 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     base = ctx.agree(lambda: build_model(train_cfg.model, classes, cfg.image_size, load_weights=False), name="build")
     net = Net(base, train_cfg, seed=1, rank=ctx.rank, precision=numerics)
     # Horovod: every rank starts from rank 0's weights.
-    distributed.broadcast_variables(net.variables, ctx)
+    gradients.broadcast_variables(net.variables, ctx)
     if cfg.mode != "full":
         images = tf.random.stateless_uniform((cfg.batch_size, cfg.image_size, cfg.image_size, 3), seed=(1, ctx.rank))
         labels = tf.random.stateless_uniform((cfg.batch_size,), seed=(2, ctx.rank), maxval=classes, dtype=tf.int32)
@@ -208,11 +209,11 @@ def _timed(cfg: BenchConfig, ctx: Context, label: str, step) -> Timings:
 
 def _real_input(cfg: BenchConfig, ctx: Context, fused: bool = True):
     """The images, and rank ``ctx.rank``'s batches of them: enough for the warm-up and the timed steps."""
-    from hvd_train import distributed
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
     from hvd_train.data.sources import open_data
     from hvd_train.data.storage import S3Options
+    from hvd_train.distributed import start
     from hvd_train.models import get_spec
 
     data = ctx.on_root(lambda: open_data(cfg.data, "--data", S3Options()), name="bench_data")
@@ -229,7 +230,7 @@ def _real_input(cfg: BenchConfig, ctx: Context, fused: bool = True):
         augment=cfg.augment,
         preprocess=get_spec(cfg.model).preprocess_input(),
         seed=1,
-        threads=distributed.cpu_threads(ctx, cfg.threads_per_rank),
+        threads=start.cpu_threads(ctx, cfg.threads_per_rank),
         fused_jpeg=fused,
     )
     return data, made.dataset

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvd_train import distributed
 from hvd_train.compat import keras, tf
 from hvd_train.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.config import TrainConfig
+from hvd_train.distributed import context, gradients
 from hvd_train.models import HEAD_LAYER
 
 
@@ -60,7 +60,7 @@ class Classifier(keras.Model):
         if self.xla_jit:
             grads, probs = self._compiled_gradients(images, labels, weights)
             # Horovod: the allreduce runs outside XLA (no XLA kernel for it).
-            grads = distributed.allreduce_gradients(grads, fp16=self.fp16_allreduce)
+            grads = gradients.allreduce_gradients(grads, fp16=self.fp16_allreduce)
             if is_loss_scaled(self.optimizer):
                 grads = self.optimizer.get_unscaled_gradients(grads)
             grads_and_vars = list(zip(grads, variables))
@@ -177,7 +177,7 @@ class Net:
         weights = tf.cast(ids >= 0, tf.float32)
         logs = self.model.train_step((images, labels, weights))
         # Horovod: every rank's flags, summed in the same cycles as the gradients.
-        agreed = distributed.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
+        agreed = context.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
         return logs, ids, agreed
 
     def _write_audit(self, ids) -> bool:
@@ -254,6 +254,6 @@ def make_optimizer(cfg: TrainConfig):
         optimizer = keras.optimizers.SGD(learning_rate=cfg.optim.base_lr, momentum=cfg.optim.momentum)
     else:
         optimizer = keras.optimizers.Adam(learning_rate=cfg.optim.base_lr)
-    return distributed.distributed_optimizer(
+    return gradients.distributed_optimizer(
         optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
     )

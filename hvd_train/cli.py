@@ -2,7 +2,7 @@
 
 Errors a user can fix print as one line (``error: ...``) and exit with 2;
 anything else prints its traceback and exits with 1. Under a launcher, a
-rank that fails alone ends the whole job (``distributed.abort``) rather than
+rank that fails alone ends the whole job (``distributed.exits.abort``) rather than
 leave the other ranks waiting in a collective. A run stopped by a signal
 (SIGTERM, SIGINT, SIGUSR1) after its checkpoint prints one line on every
 rank and exits with 75 (``preemption.EXIT_PREEMPTED``).
@@ -15,7 +15,8 @@ import os
 import sys
 import threading
 
-from hvd_train import __version__, hostname, log
+from hvd_train import __version__, log
+from hvd_train.distributed import hostname
 from hvd_train.errors import UserError
 
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank stopped after the same step and rank 0's checkpoint is written.
         logger.warning("%s", e)
         if argv is None:  # this process is the rank (not a caller of main())
-            from hvd_train.distributed import end_after_stop
+            from hvd_train.distributed.exits import end_after_stop
 
             end_after_stop(e.exit_code, STOP_SIGNALS)
         return e.exit_code
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.exception("unexpected error")
         code, agreed = 1, False
     if size > 1 and not agreed:
-        from hvd_train.distributed import abort
+        from hvd_train.distributed.exits import abort
 
         abort(code)
     return code

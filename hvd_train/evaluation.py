@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvd_train.compat import tf
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 
 TOP_K = 5
 

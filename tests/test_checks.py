@@ -13,7 +13,7 @@ from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.data.sources import checked
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 from hvd_train.evaluation import evaluate
 
 from conftest import output_of, png_with_a_corrupt_middle, run, write_images
@@ -124,12 +124,13 @@ def test_an_image_broken_inside_becomes_a_stand_in_with_its_place_kept(folder):
 _STEP = """
 import json
 import numpy as np
-from hvd_train import config, distributed
+from hvd_train import config
+from hvd_train.distributed import start
 from hvd_train.classifier import Net
 from hvd_train.compat import keras, tf
 from hvd_train.models import HEAD_LAYER
 
-ctx = distributed.init(1)
+ctx = start.init(1)
 cfg = config.build({"data": {"train": "unused"}, "run": {"output": "unused"}, "optim": {"base_lr": 0.1}})
 x = np.random.default_rng(1).normal(size=(4, 6)).astype("float32")
 y = np.array([0, 1, 2, 0], np.int32)

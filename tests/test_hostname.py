@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_train import hostname
+from hvd_train.distributed import hostname
 
 from conftest import BIN, HVD_TRAIN, TINY, launcher_command, output_of, read_json, run, unavailable
 

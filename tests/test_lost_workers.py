@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_train import distributed
+from hvd_train.distributed import elastic
 
 # What TensorFlow raised in this suite's elastic jobs when a peer was killed (eager, Gloo).
 LOST = (
@@ -37,7 +37,7 @@ def test_only_a_failed_horovod_collective_counts_as_a_lost_worker(kind, message,
     import tensorflow as tf
 
     error = ValueError(message) if kind == "ValueError" else getattr(tf.errors, kind)(None, None, message)
-    assert distributed.is_horovod_failure(error) is lost
+    assert elastic.is_horovod_failure(error) is lost
 
 
 _ALWAYS_FAILS = f"""
@@ -45,13 +45,13 @@ import json
 from hvd_train import compat
 import tensorflow as tf
 import horovod.tensorflow as hvd
-from hvd_train import distributed
+from hvd_train.distributed import context, elastic
 from hvd_train.errors import UserError
 
 hvd.init()
 attempts = []
 
-class Session(distributed.ElasticSession):
+class Session(elastic.ElasticSession):
     def save(self): pass
     def restore(self): pass
     def sync(self): pass
@@ -63,7 +63,7 @@ class Session(distributed.ElasticSession):
         raise tf.errors.UnknownError(None, None, {LOST!r})
 
 try:
-    distributed.run_elastic(Session(), distributed.Context())
+    elastic.run_elastic(Session(), context.Context())
 except UserError as e:
     print(json.dumps({{"attempts": len(attempts), "error": str(e)}}))
 """
@@ -76,8 +76,8 @@ def test_a_collective_that_fails_again_and_again_ends_the_job():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     # Two attempts committed before failing; then MAX failures in a row with no commit.
-    assert result["attempts"] == 2 + distributed.MAX_FAILURES_WITHOUT_PROGRESS - 1
-    assert f"{distributed.MAX_FAILURES_WITHOUT_PROGRESS} collectives failed in a row" in result["error"]
+    assert result["attempts"] == 2 + elastic.MAX_FAILURES_WITHOUT_PROGRESS - 1
+    assert f"{elastic.MAX_FAILURES_WITHOUT_PROGRESS} collectives failed in a row" in result["error"]
     assert "Connection closed by peer" in result["error"]
 
 

@@ -175,12 +175,13 @@ def test_an_unwritable_metrics_file_is_one_clear_line(demo_small, tmp_path):
 
 _THREADS_AFTER_TRAINING = """
 import argparse, json, sys, threading
-from hvd_train import config, distributed
+from hvd_train import config
+from hvd_train.distributed import start
 from hvd_train.training.run import run
 parser = argparse.ArgumentParser()
 config.add_arguments(parser)
 cfg = config.from_sources(parser.parse_args(sys.argv[1:]))
-ctx = distributed.init(cfg.horovod.threads_per_rank)
+ctx = start.init(cfg.horovod.threads_per_rank)
 for epochs in (1, 2):  # two runs in one process, as an elastic job makes a new loop at each reset
     run(config.build({**cfg.to_dict(), "run": {**cfg.to_dict()["run"], "epochs": epochs}}), ctx)
 print(json.dumps([t.name for t in threading.enumerate()]))

@@ -82,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
 
-    from hvd_train import compute, distributed
+    from hvd_train import compute
+    from hvd_train.distributed import start
 
-    ctx = distributed.init(args.threads_per_rank)
+    ctx = start.init(args.threads_per_rank)
     compute.use_xla(args.xla)
     result = bench.run(cfg, ctx)
     if ctx.is_root:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if "gpu" in needs and not gpus:
         problems.append("no GPU is visible to TensorFlow; check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
 
-    from hvd_train import cpus
+    from hvd_train.distributed import cpus
 
     local_ranks = _local_size()
     found_cpus = cpus.budget(local_ranks)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         print("  chosen      none set: horovodrun probes the hosts for common interfaces; NCCL takes the first")
         print("              non-loopback one. Set --network-interface when hosts have several networks.")
 
-    from hvd_train import hostname
+    from hvd_train.distributed import hostname
 
     found = hostname.resolve()  # the real name, also in a rank that runs under the loopback fix
     print(f"  hostname    {found.name} -> {found.address or '(does not resolve)'}")

@@ -29,15 +29,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed
     from hvd_train.data.pipeline import eval_dataset, input_errors
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
+    from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.evaluation import evaluate
     from hvd_train.inference import load_trained
 
-    ctx = distributed.init()
+    ctx = start.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     s3 = S3Options(endpoint=args.s3_endpoint)
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)

@@ -75,14 +75,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed, export
+    from hvd_train import export
+    from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.files import read_json
     from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
 
     log = get_logger("export")
-    ctx = distributed.init()
+    ctx = start.init()
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
     trained = load_trained(args.run_dir)

@@ -42,18 +42,18 @@ def run(args: argparse.Namespace) -> int:
             )
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
-    from hvd_train import distributed
+    from hvd_train.distributed import start
     from hvd_train.log import get_logger
     from hvd_train.models import get_spec
     from hvd_train.training import lr_find, stages
 
     get_spec(cfg.model.name)
-    ctx = distributed.init(cfg.horovod.threads_per_rank, cfg.run.deterministic)
+    ctx = start.init(cfg.horovod.threads_per_rank, cfg.run.deterministic)
     stages.prepare_output(cfg, ctx)
     job = stages.load_data(cfg, ctx)
 
     def sweep():
-        threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
+        threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
         found = lr_find.run(job, steps=args.steps, start=args.start_lr, end=args.end_lr, threads=threads)
         lr_find.write(found, cfg.run.output)
         return found

@@ -34,8 +34,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed
     from hvd_train.data import packed, storage
+    from hvd_train.distributed import start
     from hvd_train.errors import UserError
 
     if not 0.0 <= args.val_split < 1.0:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--s3-concurrency {args.s3_concurrency} is invalid; use a whole number >= 1.")
     s3 = storage.S3Options(endpoint=args.s3_endpoint, concurrency=args.s3_concurrency)
     # Under horovodrun/mpirun every rank packs a part; alone, one process packs all.
-    ctx = distributed.init()
+    ctx = start.init()
     packed.pack(
         args.src,
         args.dst,

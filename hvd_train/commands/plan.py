@@ -238,10 +238,11 @@ def _measure_link(args) -> int:
 
     import numpy as np
 
-    from hvd_train import distributed, planner
+    from hvd_train import planner
+    from hvd_train.distributed import start
     from hvd_train.errors import UserError
 
-    ctx = distributed.init(threads_per_rank=1)
+    ctx = start.init(threads_per_rank=1)
     if ctx.size < 2:
         raise UserError(
             "--measure-link needs at least 2 ranks: run it under horovodrun or mpirun, one rank per host "

@@ -48,13 +48,13 @@ def expand(paths: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import distributed
     from hvd_train.data.folder import ImageSet
     from hvd_train.data.pipeline import predict_dataset
     from hvd_train.data.sources import checked
+    from hvd_train.distributed import start
     from hvd_train.inference import load_trained
 
-    ctx = distributed.init()
+    ctx = start.init()
     files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     # Every image decoded before predicting: a few files, and each must get an answer or a reason.

@@ -40,17 +40,18 @@ def run(args: argparse.Namespace) -> int:
 
     compute.xla_environment(cfg.compute.xla)
 
-    from hvd_train import distributed, log
+    from hvd_train import log
+    from hvd_train.distributed import start
     from hvd_train.models import get_spec
 
     try:
         get_spec(cfg.model.name)
-        distributed.check_launch(elastic=cfg.horovod.elastic)
+        start.check_launch(elastic=cfg.horovod.elastic)
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
-    ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
+    ctx = start.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
     compute.use_xla(cfg.compute.xla)
-    distributed.warn_ineffective(cfg.horovod, ctx)
+    start.warn_ineffective(cfg.horovod, ctx)
     if cfg.run.log_all_ranks:
         log.setup(ctx.rank, ctx.size, all_ranks=True)
     from hvd_train.training.run import run as train

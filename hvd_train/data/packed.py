@@ -30,7 +30,7 @@ from hvd_train.compat import tf
 from hvd_train.data import storage
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 

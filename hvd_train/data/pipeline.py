@@ -335,7 +335,7 @@ class input_errors:
     def __exit__(self, kind, e, tb):
         if e is None or not isinstance(e, tf.errors.OpError):
             return False
-        from hvd_train.distributed import is_horovod_failure
+        from hvd_train.distributed.elastic import is_horovod_failure
 
         if is_horovod_failure(e):
             return False  # a lost worker: the elastic wrapper handles it

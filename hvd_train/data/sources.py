@@ -18,7 +18,7 @@ from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.storage import S3Options
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 

@@ -4,7 +4,7 @@
  * Horovod 0.28.1's Gloo controller looks up gethostname() to make the
  * device of each process set and crashes when the lookup fails. Under this
  * library gethostname() answers "localhost", so a single-host job binds to
- * loopback. hvd_train/hostname.py loads it (LD_PRELOAD) only in that case;
+ * loopback. hvd_train/distributed/hostname.py loads it (LD_PRELOAD) only in that case;
  * launch/install.sh builds it into the environment.
  */
 #include <errno.h>

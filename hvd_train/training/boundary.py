@@ -17,7 +17,7 @@ import numpy as np
 
 from hvd_train.classifier import Net
 from hvd_train.config import parse_every
-from hvd_train.distributed import Context
+from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.training import checkpoints
 from hvd_train.training.job import History, Job

@@ -2,8 +2,8 @@
 
 What happens when a worker is lost, in order:
 
-1. A collective fails on the survivors (``distributed.is_horovod_failure``);
-   ``distributed.run_elastic`` calls ``restore``: weights, state and history
+1. A collective fails on the survivors (``distributed.elastic.is_horovod_failure``);
+   ``distributed.elastic.run_elastic`` calls ``restore``: weights, state and history
    roll back to the last commit (``save``, at every ``--commit-every``
    updates and every epoch end).
 2. ``on_lost`` notes the time; Horovod forms the new world (at least
@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from hvd_train import distributed
 from hvd_train.classifier import Net
 from hvd_train.config import TrainConfig
-from hvd_train.distributed import Context
+from hvd_train.distributed import elastic, gradients
+from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.training.audit import log_sample_event
 from hvd_train.training.job import History, Job
@@ -38,7 +38,7 @@ from hvd_train.training.state import TrainState
 log = get_logger("train")
 
 
-class ElasticTraining(distributed.ElasticSession):
+class ElasticTraining(elastic.ElasticSession):
     """An elastic job (``--elastic``): the stages and the loop inside Horovod's elastic retry loop.
 
     The first workers set the run up together (``stages``), then commit. A
@@ -134,5 +134,5 @@ class ElasticTraining(distributed.ElasticSession):
         self.history = history
         # Horovod: weights, optimizer state (BatchNorm statistics among the
         # weights) and the epoch's metric sums from the source rank.
-        distributed.broadcast_variables(self.net.variables + self.net.metric_variables(), ctx, root=root)
+        gradients.broadcast_variables(self.net.variables + self.net.metric_variables(), ctx, root=root)
         self.save()

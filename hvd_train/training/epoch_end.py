@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvd_train import distributed
 from hvd_train.classifier import Net
 from hvd_train.data.images import why_undecodable
 from hvd_train.data.pipeline import eval_dataset, input_errors
-from hvd_train.distributed import Context
+from hvd_train.distributed import gradients, start
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
 from hvd_train.evaluation import evaluate as score
@@ -42,7 +42,7 @@ def close_epoch(
     if waited is not None:
         _report_input_wait(ctx, epoch, waited, logs)
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
-    distributed.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
+    gradients.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
     if job.val is not None:
         result = evaluate(job, ctx, net, batch_size, history, f"val.{epoch}")
         logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
@@ -61,7 +61,7 @@ def evaluate(job: Job, ctx: Context, net: Net, batch_size: int, history: History
         image_size=job.image_size,
         crop_fraction=cfg.data.crop_fraction,
         preprocess=job.spec.preprocess_input(),
-        threads=distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank),
+        threads=start.cpu_threads(ctx, cfg.horovod.threads_per_rank),
         s3=cfg.data.s3_options(),
         alpha_background=cfg.data.alpha_background,
     )

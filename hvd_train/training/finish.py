@@ -17,11 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import compute, cpus, distributed, files, plots
+from hvd_train import compute, files, plots
 from hvd_train.classifier import Net
 from hvd_train.compat import keras
 from hvd_train.data import storage
-from hvd_train.distributed import Context
+from hvd_train.distributed import cpus, start
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.evaluation import EvalResult
 from hvd_train.inference import CONFIG, LABELS, MODEL, model_files
@@ -169,7 +170,7 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "skipped_images": skipped_images(job, history),
         "val_seconds": round(final.seconds, 3) if final else None,
         **_input_stats(ctx, history),
-        **distributed.versions(),
+        **start.versions(),
     }
 
 

@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from hvd_train import distributed
 from hvd_train.classifier import Net
 from hvd_train.data.pipeline import input_errors, release, train_input
 from hvd_train.data.sharding import Segment
-from hvd_train.distributed import Context
+from hvd_train.distributed import start
+from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
 from hvd_train.training import epoch_end
 from hvd_train.training.audit import SampleLog
@@ -152,7 +152,7 @@ class Loop:
             augment=cfg.data.augment,
             preprocess=self.job.spec.preprocess_input(),
             seed=cfg.run.seed,
-            threads=distributed.cpu_threads(self.ctx, cfg.horovod.threads_per_rank),
+            threads=start.cpu_threads(self.ctx, cfg.horovod.threads_per_rank),
             s3=cfg.data.s3_options(),
             alpha_background=cfg.data.alpha_background,
         )

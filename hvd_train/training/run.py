@@ -11,10 +11,10 @@ Horovod's elastic retry loop for an elastic job (``elastic``), and
 
 from __future__ import annotations
 
-from hvd_train import distributed
 from hvd_train.classifier import Net
 from hvd_train.config import TrainConfig
-from hvd_train.distributed import Context
+from hvd_train.distributed import elastic
+from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.training.elastic import ElasticTraining
 from hvd_train.training.finish import Outcome, finish
@@ -41,7 +41,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     try:
         if cfg.horovod.elastic:
             training = ElasticTraining(cfg, ctx, stop)
-            distributed.run_elastic(training, ctx, on_lost=training.on_lost)
+            elastic.run_elastic(training, ctx, on_lost=training.on_lost)
             job, net, state, history = training.job, training.net, training.state, training.history
         else:
             prepare_output(cfg, ctx)

@@ -19,14 +19,15 @@ import os
 import tempfile
 import time
 
-from hvd_train import compute, distributed
+from hvd_train import compute
 from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
-from hvd_train.distributed import Context
+from hvd_train.distributed import gradients, start
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.models import build_model, get_spec, resolve_bn
@@ -60,7 +61,7 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
 
 def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     """The checked training and held-out images, the same on every rank."""
-    threads = distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank)
+    threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
     spec = get_spec(cfg.model.name)
     # Horovod: one precision for all ranks (rank 0 looks at its GPU for "auto").
@@ -104,7 +105,7 @@ def resolve_base_lr(job: Job, ctx: Context) -> Job:
                 log.info("--base-lr auto: %.4g, as found by this run's range test (%s)", saved, lr_find.RESULT)
                 return saved
         log.info("--base-lr auto: the learning-rate range test runs on rank 0 first (up to %d steps)", lr_find.STEPS)
-        sweep = lr_find.run(job, threads=distributed.cpu_threads(ctx, cfg.horovod.threads_per_rank))
+        sweep = lr_find.run(job, threads=start.cpu_threads(ctx, cfg.horovod.threads_per_rank))
         lr_find.write(sweep, out)
         if sweep.suggestion is None:
             raise UserError(
@@ -205,7 +206,7 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     with Ticker(log, "looking for a checkpoint to resume from"):
         restored = ctx.on_root(restore_then_describe, name="restore")
     # Horovod: every rank starts from rank 0's weights and optimizer state.
-    distributed.broadcast_variables(net.variables, ctx)
+    gradients.broadcast_variables(net.variables, ctx)
     if restored is None:
         return fresh_state(job, plan), History()
     path, values, rows, changed, info = restored

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 
-from hvd_train import hostname
+from hvd_train.distributed import hostname
 
 notice = hostname.prepare_rank(argv_given=False)
 child = subprocess.run(

@@ -17,12 +17,13 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from hvd_train import compute, config, distributed
+from hvd_train import compute, config
 from hvd_train.classifier import Net, use_step_seeded_dropout
+from hvd_train.distributed import gradients, start
 from hvd_train.models import build_model
 
 out_dir = sys.argv[1]
-ctx = distributed.init(threads_per_rank=1)
+ctx = start.init(threads_per_rank=1)
 cfg = config.build(
     {
         "data": {"train": "d", "batch_size": 4},
@@ -34,7 +35,7 @@ cfg = config.build(
 compute.set_policy("mixed_float16")
 use_step_seeded_dropout()
 net = Net(build_model(cfg.model, 3, 32, load_weights=False), cfg, seed=1, rank=ctx.rank, precision="mixed_float16")
-distributed.broadcast_variables(net.variables, ctx)
+gradients.broadcast_variables(net.variables, ctx)
 assert compute.is_loss_scaled(net.optimizer)
 
 

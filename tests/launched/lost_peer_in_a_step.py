@@ -13,10 +13,10 @@ import time
 
 import tensorflow as tf
 
-from hvd_train import distributed
+from hvd_train.distributed import context, elastic, start
 
-ctx = distributed.init(threads_per_rank=1)
-step = tf.function(lambda x: distributed.allreduce_sum_op(x, name="boundary_flags"), autograph=False)
+ctx = start.init(threads_per_rank=1)
+step = tf.function(lambda x: context.allreduce_sum_op(x, name="boundary_flags"), autograph=False)
 assert step(tf.ones(3)).numpy().tolist() == [2.0, 2.0, 2.0]
 if ctx.rank == 1:
     os._exit(0)
@@ -27,5 +27,5 @@ try:
         time.sleep(0.1)
     print(json.dumps({"caught": None}))
 except Exception as e:  # noqa: BLE001  (what it is, is what the test checks)
-    print(json.dumps({"caught": type(e).__name__, "lost": distributed.is_horovod_failure(e), "message": str(e)[:2000]}))
+    print(json.dumps({"caught": type(e).__name__, "lost": elastic.is_horovod_failure(e), "message": str(e)[:2000]}))
 os._exit(0)

@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 
-from hvd_train import compute, config, distributed, log
+from hvd_train import compute, config, log
+from hvd_train.distributed import start
 from hvd_train.training import run
 
 dump_dir, train_args = sys.argv[1], sys.argv[2:]
@@ -21,7 +22,7 @@ cfg = config.from_sources(parser.parse_args(train_args))
 os.environ.update(cfg.horovod.environment(cfg.run.output))
 os.makedirs(cfg.run.output, exist_ok=True)
 compute.xla_environment(cfg.compute.xla)
-ctx = distributed.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
+ctx = start.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
 compute.use_xla(cfg.compute.xla)
 log.setup(ctx.rank, ctx.size)
 outcome = run.run(cfg, ctx)

@@ -1,0 +1,58 @@
+"""How a rank ends: at once after a failure (``abort``), or cleanly after an agreed stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+
+def abort(code: int) -> None:
+    """Ends this process so that the launcher ends the others; never returns.
+
+    A normal exit would run Horovod's shutdown, which waits for the other
+    ranks, which may be waiting in a collective for this one: a hang.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        # Horovod: MPI_Abort tears down every rank of an mpirun job at once.
+        mpi.COMM_WORLD.Abort(code)
+    # horovodrun ends the remaining workers when one exits non-zero.
+    os._exit(code)
+
+
+def end_after_stop(code: int, stop_signals) -> None:
+    """Ends this process after an agreed stop, skipping the interpreter's teardown; never returns.
+
+    Every rank has stopped after the same step, the checkpoint is on disk and
+    the outputs are closed. The teardown would free the input pipeline while
+    its threads still feed it from a Python generator, and TensorFlow waits
+    for them, at times until the launcher kills the rank (horovodrun does
+    after 5 s: exit 137, not 75); it also puts back the default signal
+    handlers first, so the same stop arriving again through the launcher
+    kills the rank (exit 143).
+
+    Args:
+        code: the exit code.
+        stop_signals: the signals that ask for a stop (ignored from now on).
+    """
+    for sig in stop_signals:
+        # The same stop again (a launcher ending the other ranks passes it on once more): the
+        # process is on its way out already. (No Python handler could run during a hang in
+        # native code either; SIGKILL still ends it.)
+        signal.signal(sig, signal.SIG_IGN)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is not None and hvd.is_initialized():
+        # Horovod: every rank takes part in the shutdown (each one is on its way out).
+        hvd.shutdown()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # else mpirun reports the rank as "exiting improperly"
+    os._exit(code)

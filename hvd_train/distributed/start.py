@@ -1,0 +1,132 @@
+"""Starting a rank: the launch checks, Horovod's ``init``, GPUs and CPU threads, versions."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train.distributed import cpus
+from hvd_train.distributed.context import Context
+from hvd_train.errors import UserError
+
+# Seconds a rank of an elastic job waits on a silent peer before it counts as lost.
+ELASTIC_GLOO_TIMEOUT = 5
+
+# Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def launched_by_mpi() -> bool:
+    """Started by mpirun (or horovodrun --mpi), not by horovodrun's Gloo launcher."""
+    return any(v in os.environ for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ
+
+
+def check_launch(elastic: bool) -> None:
+    """Refuses ``--elastic`` where no elastic launcher runs this process.
+
+    Raises:
+        UserError: ``--elastic`` under plain mpirun, or without an elastic horovodrun.
+    """
+    if not elastic:
+        return
+    if launched_by_mpi():
+        raise UserError(
+            "--elastic: plain mpirun (and horovodrun --mpi) has no elastic mode; launch with "
+            "horovodrun --min-np N --max-np M --host-discovery-script SCRIPT (Gloo), or drop --elastic."
+        )
+    if os.environ.get("HOROVOD_ELASTIC") != "1":
+        raise UserError(
+            "--elastic needs an elastic launcher: horovodrun --min-np N --max-np M --host-discovery-script SCRIPT "
+            "(see launch/horovodrun.sh --elastic); drop --elastic for a fixed set of workers."
+        )
+
+
+def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
+    """Initialises Horovod and TensorFlow for this process.
+
+    * Under plain ``mpirun`` (or ``horovodrun --mpi``) Horovod is initialised
+      from mpi4py's ``MPI.COMM_WORLD``, so MPI is set up with the thread
+      support Horovod needs and ``MPI_Abort`` is at hand to stop every rank.
+    * One GPU per local rank, with memory growth, when GPUs exist.
+    * CPU threads from the CPUs the process may use (affinity mask, cgroup
+      quota: :mod:`hvd_train.cpus`), divided among the processes of a host
+      that share them, so N ranks do not each start a thread per core.
+
+    Args:
+        threads_per_rank: TensorFlow threads per process (0: usable cores / local ranks sharing them).
+        deterministic: TensorFlow op determinism (``--deterministic``).
+
+    Returns:
+        The context of this process.
+    """
+    from hvd_train.compat import tf
+
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        # Horovod: a rank whose peer in a collective stopped taking part (it
+        # noticed a lost worker first) waits this long before it notices too;
+        # Gloo's default is 30 s. Every collective cycles in milliseconds, so
+        # only a worker that is really gone is waited for this long.
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(ELASTIC_GLOO_TIMEOUT))
+    import horovod.tensorflow as hvd
+
+    if launched_by_mpi():
+        from mpi4py import MPI
+
+        # Horovod: share mpi4py's MPI_COMM_WORLD instead of initialising MPI twice.
+        hvd.init(comm=MPI.COMM_WORLD)
+    else:
+        hvd.init()
+    ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+    ctx.cpu = cpus.budget(ctx.local_size, threads_per_rank)
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        # Horovod: pin one GPU per process, chosen by local rank.
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        tf.config.set_visible_devices(gpus[ctx.local_rank % len(gpus)], "GPU")
+    else:
+        # Horovod: N processes on one host share its cores.
+        threads = cpu_threads(ctx, threads_per_rank)
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
+        except RuntimeError:  # TensorFlow already started in this process (tests)
+            pass
+    return ctx
+
+
+def warn_ineffective(horovod_cfg, ctx: Context) -> None:
+    """Says when a Horovod option cannot act in this job (rank 0)."""
+    import horovod.tensorflow as hvd
+
+    if horovod_cfg.hierarchical_allreduce and ctx.is_root:
+        if not (hvd.nccl_built() and hvd.mpi_enabled()) or ctx.size == ctx.local_size:
+            logging.getLogger("hvd_train").warning(
+                "--hierarchical-allreduce has no effect here: it needs Horovod built with NCCL and MPI, "
+                "an MPI controller, and workers on more than one host"
+            )
+
+
+def cpu_threads(ctx: Context, threads_per_rank: int = 0) -> int:
+    """CPU threads this process may use (TensorFlow's pools and the input pipeline)."""
+    if threads_per_rank:
+        return threads_per_rank
+    return (ctx.cpu or cpus.budget(ctx.local_size)).threads
+
+
+def versions() -> dict[str, str]:
+    import horovod
+
+    from hvd_train import __version__
+    from hvd_train.compat import keras, tf
+
+    return {
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "horovod": horovod.__version__,
+        "hvd_train": __version__,
+    }
