@@ -147,7 +147,7 @@ def row(name: str, args, one: Path, loaded: list[Path], link: Path, two: Path, h
 
 
 def published() -> list[dict]:
-    from hvd_train import planner
+    from hvd_train.perf import planner
 
     gbe25 = planner.Link(25e9 / 8, 10e-6)  # RoCE-capable 25 Gbit/s
     pcie = planner.Link(10e9, 10e-6)

@@ -45,8 +45,8 @@ import statistics, time
 import tensorflow as tf
 from hvd_train import config
 from hvd_train.distributed import gradients, start
-from hvd_train.classifier import Net, use_step_seeded_dropout
-from hvd_train.models import build_model
+from hvd_train.model.network import Net, use_step_seeded_dropout
+from hvd_train.model.catalogue import build_model
 
 ctx = start.init(threads_per_rank=1)
 cfg = config.build({"data": {"train": "d", "batch_size": 16}, "model": {"weights": "none"}, "run": {"output": "o"}})

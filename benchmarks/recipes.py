@@ -44,7 +44,7 @@ def vgg16_weights(path: str, image_size: int, data: str, target_norm: float = 10
     """A VGG16 backbone (include_top=False) whose pooled features have an L2 norm of about ``target_norm``."""
     from hvd_train import compat  # noqa: F401
     from hvd_train.compat import keras
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
 
     keras.utils.set_random_seed(0)
     model = keras.applications.VGG16(include_top=False, weights=None, input_shape=(image_size, image_size, 3))

@@ -83,9 +83,9 @@ def _show_choices(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["launch"]:  # the launcher, not a rank: no TensorFlow, no rank set-up
-        from hvd_train import launcher
+        from hvd_train.commands import launch
 
-        return launcher.main(given[1:])
+        return launch.main(given[1:])
     rank, size = log.launcher_rank()
     log.setup(rank, size)
     logger = log.get_logger()

@@ -14,7 +14,7 @@ from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.data.sources import checked
 from hvd_train.distributed.context import Context
-from hvd_train.evaluation import evaluate
+from hvd_train.results.evaluation import evaluate
 
 from conftest import output_of, png_with_a_corrupt_middle, run, write_images
 
@@ -126,9 +126,9 @@ import json
 import numpy as np
 from hvd_train import config
 from hvd_train.distributed import start
-from hvd_train.classifier import Net
+from hvd_train.model.network import Net
 from hvd_train.compat import keras, tf
-from hvd_train.models import HEAD_LAYER
+from hvd_train.model.catalogue import HEAD_LAYER
 
 ctx = start.init(1)
 cfg = config.build({"data": {"train": "unused"}, "run": {"output": "unused"}, "optim": {"base_lr": 0.1}})

@@ -4,7 +4,7 @@ import tensorflow as tf
 from hvd_train import compat  # noqa: F401
 from hvd_train.compat import keras
 from hvd_train.distributed.context import Context
-from hvd_train.evaluation import evaluate
+from hvd_train.results.evaluation import evaluate
 
 
 def fixed_model(num_classes):

@@ -324,7 +324,7 @@ SHELL_DRIVER = r"""
 import sys, threading, time
 from pathlib import Path
 from horovod.runner.common.util import safe_shell_exec
-from hvd_train import launcher
+from hvd_train.commands import launch
 
 RANK = (
     "import pathlib, signal, sys, time\n"
@@ -336,7 +336,7 @@ RANK = (
 
 def main(how, folder):
     if how != "horovod":
-        launcher._end_shells_gently()
+        launch._end_shells_gently()
     rank = folder / "rank.py"
     rank.write_text(RANK)
     linger = f"{sys.executable} {rank} {folder / 'lingered'} {how} {60 if how == 'stubborn' else 1}"

@@ -4,7 +4,7 @@ import pytest
 from hvd_train.compat import keras
 from hvd_train.config import ModelConfig
 from hvd_train.errors import UserError
-from hvd_train.models import available_models, build_model, get_spec, resolve_bn
+from hvd_train.model.catalogue import available_models, build_model, get_spec, resolve_bn
 
 
 def test_registry_has_the_keras_applications():
@@ -153,7 +153,7 @@ def test_fast_preprocessing_gives_the_numbers_of_keras_own_for_every_model():
     import numpy as np
     import tensorflow as tf
 
-    from hvd_train.models import _caffe, available_models, fast_preprocess
+    from hvd_train.model.catalogue import _caffe, available_models, fast_preprocess
 
     batch = np.random.default_rng(3).uniform(0, 255, (4, 9, 11, 3)).astype("float32")
     chosen = set()

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hvd_train import planner
 from hvd_train.errors import UserError
+from hvd_train.perf import planner
 
 from conftest import HVD_TRAIN, cli, launch, output_of, read_json
 

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from PIL import Image
 
-from hvd_train import plots, report_page
 from hvd_train.errors import UserError
+from hvd_train.results import plots, report_page
 from hvd_train.training.writers import Reporters
 
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from hvd_train.classifier import Classifier
 from hvd_train.compat import keras
-from hvd_train.models import HEAD_LAYER
+from hvd_train.model.catalogue import HEAD_LAYER
+from hvd_train.model.network import Classifier
 
 
 def one_step_deltas(mult):

@@ -49,16 +49,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import bench
     from hvd_train.errors import UserError
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
+    from hvd_train.perf import bench
 
     try:
         get_spec(args.model)
         if args.warmup_batches < 0 or args.threads_per_rank < 0:
             raise UserError("--warmup-batches and --threads-per-rank must be 0 or more.")
         if args.xla == "auto":
-            from hvd_train import compute
+            from hvd_train.model import compute
 
             compute.xla_environment("auto")
         cfg = bench.BenchConfig(
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
 
-    from hvd_train import compute
     from hvd_train.distributed import start
+    from hvd_train.model import compute
 
     ctx = start.init(args.threads_per_rank)
     compute.use_xla(args.xla)

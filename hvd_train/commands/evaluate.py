@@ -34,8 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.storage import S3Options
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
-    from hvd_train.evaluation import evaluate
-    from hvd_train.inference import load_trained
+    from hvd_train.results.evaluation import evaluate
+    from hvd_train.results.inference import load_trained
 
     ctx = start.init()
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(args, ctx, trained, images, result, s3) -> None:
     """Rank 0: the skipped images, ``evaluation.json``, the printed table and ``confusion.png``."""
-    from hvd_train import plots
     from hvd_train.data.images import why_undecodable
     from hvd_train.errors import UserError
     from hvd_train.log import get_logger
+    from hvd_train.results import plots
 
     met = [images.paths[i] for i in result.skipped]
     skipped = [{"path": p, "reason": r, "found": "check"} for p, r in getattr(images, "skipped", ())]

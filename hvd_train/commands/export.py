@@ -75,12 +75,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import export
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.files import read_json
-    from hvd_train.inference import load_trained
     from hvd_train.log import get_logger
+    from hvd_train.results import export
+    from hvd_train.results.inference import load_trained
 
     log = get_logger("export")
     ctx = start.init()
@@ -200,8 +200,8 @@ def _calibration(args, data):
     from hvd_train.commands.predict import expand
     from hvd_train.data.images import find_bad_images
     from hvd_train.errors import UserError
-    from hvd_train.export import Images
     from hvd_train.log import get_logger
+    from hvd_train.results.export import Images
 
     if args.calibration_data:
         paths = expand([args.calibration_data])
@@ -232,7 +232,7 @@ def _calibration(args, data):
 def _check_images(args, data, trained, ctx):
     from hvd_train.data.sources import checked, open_data
     from hvd_train.errors import UserError
-    from hvd_train.export import Images
+    from hvd_train.results.export import Images
 
     fix = "pass --check-data with a local folder of labelled images (one folder per class)."
     if args.check_data:

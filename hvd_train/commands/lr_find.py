@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(e), agreed=True) from None
     from hvd_train.distributed import start
     from hvd_train.log import get_logger
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
     from hvd_train.training import lr_find, stages
 
     get_spec(cfg.model.name)

@@ -9,7 +9,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from hvd_train.models import available_models
+    from hvd_train.model.catalogue import available_models
 
     for name, spec in sorted(available_models().items()):
         print(f"{name:<20} default input {spec.default_size}x{spec.default_size}")

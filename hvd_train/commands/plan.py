@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
         return _measure_link(args)
     import json
 
-    from hvd_train import planner
     from hvd_train.errors import UserError
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
+    from hvd_train.perf import planner
 
     get_spec(args.model)
     workers = _worker_counts(args.workers)
@@ -187,7 +187,7 @@ def _input_rate(args) -> float:
 def _count_parameters(model: str, classes: int) -> int:
     from hvd_train import compat  # noqa: F401
     from hvd_train.config import ModelConfig
-    from hvd_train.models import build_model, get_spec
+    from hvd_train.model.catalogue import build_model, get_spec
 
     spec = get_spec(model)
     built = build_model(ModelConfig(name=spec.name, weights="none"), classes, spec.default_size, load_weights=False)
@@ -238,9 +238,9 @@ def _measure_link(args) -> int:
 
     import numpy as np
 
-    from hvd_train import planner
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
+    from hvd_train.perf import planner
 
     ctx = start.init(threads_per_rank=1)
     if ctx.size < 2:

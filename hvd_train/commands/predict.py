@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.pipeline import predict_dataset
     from hvd_train.data.sources import checked
     from hvd_train.distributed import start
-    from hvd_train.inference import load_trained
+    from hvd_train.results.inference import load_trained
 
     ctx = start.init()
     files = ctx.on_root(lambda: expand(args.paths), name="predict_list")

@@ -19,8 +19,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import report_page
     from hvd_train.log import get_logger
+    from hvd_train.results import report_page
 
     path = report_page.write(args.run_dir, args.output)
     get_logger().info("wrote %s", path)

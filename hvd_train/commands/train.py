@@ -36,13 +36,13 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(cfg.horovod.environment(cfg.run.output))
     if cfg.horovod.timeline or cfg.horovod.autotune:
         os.makedirs(cfg.run.output, exist_ok=True)  # Horovod opens its files there at init
-    from hvd_train import compute
+    from hvd_train.model import compute
 
     compute.xla_environment(cfg.compute.xla)
 
     from hvd_train import log
     from hvd_train.distributed import start
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
 
     try:
         get_spec(cfg.model.name)

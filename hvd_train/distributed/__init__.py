@@ -9,7 +9,7 @@
 * ``exits``: ending a rank without hanging the others.
 * ``hostname``, ``cpus``: what a rank finds on its host before Horovod starts.
 
-Outside this package, ``hvd_train.launcher`` runs Horovod's launcher (its
+Outside this package, ``hvd_train.commands.launch`` runs Horovod's launcher (its
 runner, not the ranks' library) and ``doctor`` reads Horovod's build flags.
 Importing this package imports nothing: the command line reads ``hostname``
 before TensorFlow loads.

@@ -24,7 +24,7 @@ def distributed_optimizer(optimizer, *, fp16_allreduce: bool, grad_accum: int):
     # when the optimizer is (eagerly). Its Python has no control flow on
     # tensors (each gradient's tf.cond is explicit), but converting it and the
     # allreduce it calls, once per gradient, took seconds of every rank's first
-    # step (see classifier.Net). The same function, traced as written:
+    # step (see model.network.Net). The same function, traced as written:
     reduce = getattr(wrapped, "_allreduce_grads", None)
     if hasattr(reduce, "python_function"):
         plain = tf.function(reduce.python_function, autograph=False)

@@ -2,7 +2,7 @@
 
 Every step also sums, over ranks, flags each rank sets before it: whether
 it was asked to stop (a signal), whether rank 0's clock says a checkpoint is
-due, and how long its previous step took (see ``classifier.Net.step``). The
+due, and how long its previous step took (see ``network.Net.step``). The
 sum travels in the step's own allreduce cycle, so it costs next to nothing;
 where steps are long the ranks also agree right after the step. At every
 optimizer-update boundary all ranks act on the same sums: they stop,
@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from hvd_train.classifier import Net
 from hvd_train.config import parse_every
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
+from hvd_train.model.network import Net
 from hvd_train.training import checkpoints
 from hvd_train.training.job import History, Job
 from hvd_train.training.preemption import Preempted, StopRequests

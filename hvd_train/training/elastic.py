@@ -23,11 +23,11 @@ import time
 
 import numpy as np
 
-from hvd_train.classifier import Net
 from hvd_train.config import TrainConfig
 from hvd_train.distributed import elastic, gradients
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
+from hvd_train.model.network import Net
 from hvd_train.training.audit import log_sample_event
 from hvd_train.training.job import History, Job
 from hvd_train.training.loop import Loop

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvd_train.classifier import Net
 from hvd_train.data.images import why_undecodable
 from hvd_train.data.pipeline import eval_dataset, input_errors
 from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
-from hvd_train.evaluation import EvalResult
-from hvd_train.evaluation import evaluate as score
 from hvd_train.log import get_logger
+from hvd_train.model.network import Net
+from hvd_train.results.evaluation import EvalResult
+from hvd_train.results.evaluation import evaluate as score
 from hvd_train.training.job import History, Job
 
 log = get_logger("train")

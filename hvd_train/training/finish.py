@@ -17,17 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train import compute, files, plots
-from hvd_train.classifier import Net
+from hvd_train import files
 from hvd_train.compat import keras
 from hvd_train.data import storage
 from hvd_train.distributed import cpus, start
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
-from hvd_train.evaluation import EvalResult
-from hvd_train.inference import CONFIG, LABELS, MODEL, model_files
 from hvd_train.log import get_logger
-from hvd_train.models import build_model
+from hvd_train.model import compute
+from hvd_train.model.catalogue import build_model
+from hvd_train.model.network import Net
+from hvd_train.results import plots
+from hvd_train.results.evaluation import EvalResult
+from hvd_train.results.inference import CONFIG, LABELS, MODEL, model_files
 from hvd_train.training import epoch_end
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState

@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 
-from hvd_train.classifier import Net
 from hvd_train.data.pipeline import input_errors, release, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.distributed import start
 from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
+from hvd_train.model.network import Net
 from hvd_train.training import epoch_end
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hvd_train import files, plots
+from hvd_train import files
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.results import plots
 
 log = get_logger("lr_find")
 
@@ -114,7 +115,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     from hvd_train.compat import keras, tf
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
-    from hvd_train.models import HEAD_LAYER, build_model
+    from hvd_train.model.catalogue import HEAD_LAYER, build_model
 
     cfg = job.cfg
     if not (0 < start < end) or steps < 10:
@@ -130,7 +131,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     mult = cfg.optim.head_lr_mult
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
-    @tf.function(autograph=False)  # as the training step (see classifier.Net)
+    @tf.function(autograph=False)  # as the training step (see model.network.Net)
     def step(images, labels, ids):
         with tf.GradientTape() as tape:
             # Stand-ins for images that cannot be decoded (negative ids) weigh nothing, as in training.

@@ -11,11 +11,11 @@ Horovod's elastic retry loop for an elastic job (``elastic``), and
 
 from __future__ import annotations
 
-from hvd_train.classifier import Net
 from hvd_train.config import TrainConfig
 from hvd_train.distributed import elastic
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
+from hvd_train.model.network import Net
 from hvd_train.training.elastic import ElasticTraining
 from hvd_train.training.finish import Outcome, finish
 from hvd_train.training.job import History, Job

@@ -19,8 +19,6 @@ import os
 import tempfile
 import time
 
-from hvd_train import compute
-from hvd_train.classifier import Net, use_step_seeded_dropout
 from hvd_train.compat import keras
 from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data.folder import ImageSet, split_per_class
@@ -30,7 +28,9 @@ from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
-from hvd_train.models import build_model, get_spec, resolve_bn
+from hvd_train.model import compute
+from hvd_train.model.catalogue import build_model, get_spec, resolve_bn
+from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.training import checkpoints, lr_find
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state

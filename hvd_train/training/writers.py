@@ -15,10 +15,11 @@ import sys
 import threading
 import time
 
-from hvd_train import files, plots
+from hvd_train import files
 from hvd_train.config import parse_every
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.results import plots
 
 log = get_logger("train")
 

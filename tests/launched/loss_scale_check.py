@@ -1,7 +1,7 @@
 """Launched under horovodrun by the tests: float16 loss scaling with an inf injected on one rank.
 
 Usage: python loss_scale_check.py OUT_DIR
-The real training step (``classifier.Net``) under mixed_float16: first
+The real training step (``network.Net``) under mixed_float16: first
 steps until the dynamic loss scale has come down far enough for a step to
 update the weights (random weights overflow float16 at the start), then a
 step where only rank 1's batch holds an inf, then a normal step. Each rank
@@ -17,10 +17,11 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from hvd_train import compute, config
-from hvd_train.classifier import Net, use_step_seeded_dropout
+from hvd_train import config
 from hvd_train.distributed import gradients, start
-from hvd_train.models import build_model
+from hvd_train.model import compute
+from hvd_train.model.catalogue import build_model
+from hvd_train.model.network import Net, use_step_seeded_dropout
 
 out_dir = sys.argv[1]
 ctx = start.init(threads_per_rank=1)

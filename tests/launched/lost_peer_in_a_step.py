@@ -2,7 +2,7 @@
 
 Usage: python lost_peer_in_a_step.py
 Both ranks run the training step's stop-agreement allreduce (named, inside a
-``tf.function``, as in ``classifier.Net``) once; then rank 1 leaves without a
+``tf.function``, as in ``network.Net``) once; then rank 1 leaves without a
 word and rank 0 runs it again. Rank 0 prints what it caught, and whether an
 elastic job would take it for a lost worker, as one JSON line.
 """

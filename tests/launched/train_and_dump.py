@@ -10,8 +10,9 @@ import sys
 
 import numpy as np
 
-from hvd_train import compute, config, log
+from hvd_train import config, log
 from hvd_train.distributed import start
+from hvd_train.model import compute
 from hvd_train.training import run
 
 dump_dir, train_args = sys.argv[1], sys.argv[2:]

@@ -11,7 +11,7 @@ import yaml
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.files import read_json, sha256
-from hvd_train.models import get_spec
+from hvd_train.model.catalogue import get_spec
 
 # What a finished run leaves for inference, written together (training/finish.py).
 MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"

@@ -20,8 +20,9 @@ import os
 import numpy as np
 import yaml
 
-from hvd_train import __version__, plots
+from hvd_train import __version__
 from hvd_train.errors import UserError
+from hvd_train.results import plots
 
 REPORT = "report.html"
 

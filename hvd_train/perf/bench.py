@@ -146,13 +146,13 @@ def _report(ctx: Context, label: str, step: int, total: int, rate: float) -> Non
 
 
 def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
-    """Times the real training step (``classifier.Net``) on random or real batches."""
-    from hvd_train import compute
-    from hvd_train.classifier import Net, use_step_seeded_dropout
+    """Times the real training step (``network.Net``) on random or real batches."""
     from hvd_train.compat import tf
     from hvd_train.config import TrainConfig, build
     from hvd_train.distributed import gradients
-    from hvd_train.models import build_model
+    from hvd_train.model import compute
+    from hvd_train.model.catalogue import build_model
+    from hvd_train.model.network import Net, use_step_seeded_dropout
 
     numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
     train_cfg: TrainConfig = build(
@@ -214,7 +214,7 @@ def _real_input(cfg: BenchConfig, ctx: Context, fused: bool = True):
     from hvd_train.data.sources import open_data
     from hvd_train.data.storage import S3Options
     from hvd_train.distributed import start
-    from hvd_train.models import get_spec
+    from hvd_train.model.catalogue import get_spec
 
     data = ctx.on_root(lambda: open_data(cfg.data, "--data", S3Options()), name="bench_data")
     n = len(data)

@@ -30,10 +30,10 @@ from __future__ import annotations
 import numpy as np
 
 from hvd_train.compat import keras, tf
-from hvd_train.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.config import TrainConfig
 from hvd_train.distributed import context, gradients
-from hvd_train.models import HEAD_LAYER
+from hvd_train.model.catalogue import HEAD_LAYER
+from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 
 
 class Classifier(keras.Model):
@@ -105,7 +105,7 @@ class Net:
     """A rank's model, optimizer and compiled training step.
 
     Args:
-        base: the functional model from ``models.build_model`` (built under
+        base: the functional model from ``catalogue.build_model`` (built under
             the precision's policy).
         cfg: the configuration (optimizer, momentum, Horovod options, XLA).
         seed: the run's seed.

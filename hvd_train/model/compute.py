@@ -12,14 +12,14 @@ the scaled gradients, so every rank sees the same sums, finds the same
 non-finite values, and skips the same step. ``mixed_bfloat16`` has float32's
 range and needs no loss scale.
 
-The head's softmax always computes in float32 (``models.build_model``), and
+The head's softmax always computes in float32 (``catalogue.build_model``), and
 the saved model is rebuilt in float32 (``float32_copy``), so inference
 outside training never meets float16.
 
 XLA: ``--xla auto`` turns on TensorFlow's auto-clustering, which compiles
 what it can and leaves the rest (Horovod's ops among it) to TensorFlow;
 ``--xla jit`` compiles the forward and backward pass of the step
-(``classifier.Classifier``).
+(``network.Classifier``).
 """
 
 from __future__ import annotations

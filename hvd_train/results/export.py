@@ -32,8 +32,8 @@ import numpy as np
 from hvd_train.compat import keras, tf
 from hvd_train.errors import UserError
 from hvd_train.files import read_json, sha256, write_json
-from hvd_train.inference import Trained
 from hvd_train.log import get_logger
+from hvd_train.results.inference import Trained
 
 ONNX_OPSET = 17
 # Goals of --check, by quantisation: least top-1 agreement with predict, largest |Δp| (None: not a goal).
