@@ -54,7 +54,9 @@ def timed(call, repeats: int) -> float:
 def runner(fmt: str, path: Path, threads: int):
     """A function of a uint8 batch that runs the file in its runtime."""
     if fmt != "savedmodel":
-        from hvd_train.results.export import runner as file_runner  # the runtime calls of `hvd-train export --check`
+        from hvd_train.results.export.formats import (
+            runner as file_runner,
+        )  # the runtime calls of `hvd-train export --check`
 
         return file_runner(fmt, str(path), threads)
     import tensorflow as tf

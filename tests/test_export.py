@@ -203,7 +203,7 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, ext
     from PIL import Image
 
     from hvd_train.compat import tf
-    from hvd_train.results.export import run_savedmodel, run_savedmodel_uint8
+    from hvd_train.results.export.formats import run_savedmodel, run_savedmodel_uint8
 
     pngs = []
     for i, path in enumerate(sorted(large_colours.rglob("*.jpg"))[::10]):
@@ -277,7 +277,7 @@ def test_a_stopped_export_leaves_the_earlier_one_as_it_was(mobilenet_run, tmp_pa
 
 
 def test_a_stop_held_back_while_the_export_is_put_in_place_ends_after_it(tmp_path, monkeypatch):
-    from hvd_train.results import export as exporting
+    from hvd_train.results.export import folder as exporting
 
     folder, staging = tmp_path / "export", tmp_path / "export.tmp-1"
     for path, text in ((folder, "old"), (staging, "new")):

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.errors import UserError
     from hvd_train.files import read_json
     from hvd_train.log import get_logger
-    from hvd_train.results import export
+    from hvd_train.results.export import folder as export_folder
     from hvd_train.results.inference import load_trained
 
     log = get_logger("export")
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--output {folder} is the run folder itself; give a folder of its own (default: RUN_DIR/export)."
         )
-    if os.path.exists(folder) and not (os.path.isdir(folder) and export.is_export(folder)):
+    if os.path.exists(folder) and not (os.path.isdir(folder) and export_folder.is_export(folder)):
         raise UserError(
             f"--output {folder} exists and is not a folder hvd-train export wrote (it has no manifest.json of "
             "one), so it is not replaced; give a new folder, or remove that one yourself."
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         data = _run_images(args.run_dir, ctx)
     calibration = _calibration(args, data) if calibrate else None
     check = _check_images(args, data, trained, ctx) if args.check else None
-    manifest = export.export(
+    manifest = export_folder.export(
         args.run_dir,
         trained,
         summary,
@@ -201,7 +201,7 @@ def _calibration(args, data):
     from hvd_train.data.images import find_bad_images
     from hvd_train.errors import UserError
     from hvd_train.log import get_logger
-    from hvd_train.results.export import Images
+    from hvd_train.results.export.parity import Images
 
     if args.calibration_data:
         paths = expand([args.calibration_data])
@@ -232,7 +232,7 @@ def _calibration(args, data):
 def _check_images(args, data, trained, ctx):
     from hvd_train.data.sources import checked, open_data
     from hvd_train.errors import UserError
-    from hvd_train.results.export import Images
+    from hvd_train.results.export.parity import Images
 
     fix = "pass --check-data with a local folder of labelled images (one folder per class)."
     if args.check_data:
