@@ -1,37 +1,21 @@
-"""Training configuration: defaults -> YAML file -> command line -> validate().
+"""What the user chose: one frozen dataclass per concern, each field with its flag and help.
 
-The configuration is plain frozen dataclasses, one per concern. Each field
-carries its command-line flag and help text in its metadata, so the parser,
-the YAML keys and the validation messages cannot drift apart. A YAML file
-uses the section names as top-level keys::
-
-    data:
-      train: /data/flowers
-      val_split: 0.1
-    model:
-      name: ResNet50
-    optim:
-      base_lr: 0.0125
-
-The resolved configuration is validated once, before any rank reads data,
-and written next to the outputs as ``run_config.yaml``.
+Each field carries its command-line flag and help text in its metadata, so
+the parser, the YAML keys and the validation messages cannot drift apart
+(``config.sources`` reads flags and YAML into these; ``config.checks``
+validates them).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from hvd_train.data.storage import S3Options, redact_url
-from hvd_train.errors import UserError
 
 AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
 BN_MODES = ("auto", "inference", "train")
@@ -356,100 +340,6 @@ class TrainConfig:
     horovod: HorovodConfig = field(default_factory=HorovodConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
-    def validate(self) -> TrainConfig:
-        """Checks every value; raises UserError naming the flag and the fix."""
-        d, m, o, h, r = self.data, self.model, self.optim, self.horovod, self.run
-        _require(bool(d.train), "--data", d.train, "give the image folder to train on")
-        _require(bool(r.output), "--output", r.output, "give a folder for the results")
-        _require(0.0 <= d.val_split < 1.0, "--val-split", d.val_split, "use a fraction in [0, 1)")
-        _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
-        _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
-        _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
-        _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
-        _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")
-        _require(
-            not d.s3_endpoint or d.s3_endpoint.startswith(("http://", "https://")),
-            "--s3-endpoint",
-            redact_url(d.s3_endpoint),
-            "give a URL such as http://127.0.0.1:9000",
-        )
-        _require(m.trainable_layers >= 0, "--trainable-layers", m.trainable_layers, "use a number >= 0")
-        _require(0.0 <= m.dropout < 1.0, "--dropout", m.dropout, "use a rate in [0, 1)")
-        _require(0.0 <= m.bn_momentum < 1.0, "--bn-momentum", m.bn_momentum, "use [0, 1)")
-        _require(
-            not (m.freeze_backbone and m.trainable_layers),
-            "--trainable-layers",
-            m.trainable_layers,
-            "drop it or --freeze-backbone: they contradict",
-        )
-        _require(
-            o.base_lr == "auto" or (o.base_lr > 0 and math.isfinite(o.base_lr)),
-            "--base-lr",
-            o.base_lr,
-            "use a number > 0, or auto",
-        )
-        _require(0.0 <= o.momentum < 1.0, "--momentum", o.momentum, "use [0, 1)")
-        _require(o.warmup_epochs >= 0, "--warmup-epochs", o.warmup_epochs, "use a number >= 0")
-        _require(0.0 < o.lr_drop_factor <= 1.0, "--lr-drop-factor", o.lr_drop_factor, "use (0, 1]")
-        _require(o.lr_drop_period >= 1, "--lr-drop-period", o.lr_drop_period, "use a whole number >= 1")
-        _require(o.head_lr_mult > 0, "--head-lr-mult", o.head_lr_mult, "use a number > 0")
-        _require(
-            o.head_lr_mult == 1.0 or o.optimizer == "sgd",
-            "--head-lr-mult",
-            o.head_lr_mult,
-            "it is applied by scaling the head's gradients, which only equals a learning-rate "
-            "multiplier for --optimizer sgd; use sgd or drop --head-lr-mult",
-        )
-        _require(h.grad_accum >= 1, "--grad-accum", h.grad_accum, "use a whole number >= 1")
-        _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
-        _require(h.commit_every >= 1, "--commit-every", h.commit_every, "use a whole number >= 1")
-        _require(h.fusion_threshold_mb >= 0, "--fusion-threshold-mb", h.fusion_threshold_mb, "use 0 or more")
-        _require(h.cycle_time_ms >= 0, "--cycle-time-ms", h.cycle_time_ms, "use 0 or more")
-        c = self.compute
-        _require(
-            not (c.precision == "mixed_float16" and h.grad_accum > 1),
-            "--grad-accum",
-            h.grad_accum,
-            "with --precision mixed_float16 the loss scale may change between the accumulated passes, which "
-            "would mix gradients of different scales; use --precision mixed_bfloat16 or fp32, or drop --grad-accum",
-        )
-        _require(
-            not (c.xla == "jit" and h.grad_accum > 1),
-            "--grad-accum",
-            h.grad_accum,
-            "--xla jit allreduces the gradients of every step outside the compiled part; use --xla auto or off",
-        )
-        _require(
-            not (h.elastic and h.grad_accum > 1),
-            "--grad-accum",
-            h.grad_accum,
-            "an elastic job cannot roll back gradients accumulated between updates; drop --grad-accum or --elastic",
-        )
-        try:
-            parse_every(r.checkpoint_every)
-        except ValueError:
-            _require(
-                False,
-                "--checkpoint-every",
-                r.checkpoint_every,
-                "give a number of steps (500) or a duration (90s, 15m, 2h)",
-            )
-        try:
-            parse_every(r.log_every)
-        except ValueError:
-            _require(False, "--log-every", r.log_every, "give a number of steps (200) or a duration (30s, 5m)")
-        _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
-        _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
-        for flag, folder in (("--data", d.train), ("--val-data", d.val)):
-            _require(
-                not folder or not _inside(r.output, folder),
-                "--output",
-                r.output,
-                f"it is inside {flag} {folder}, where its files would be read as a class; choose another folder",
-            )
-        _require(bool(m.weights), "--weights", m.weights, "use imagenet, none, or the path of a weights file")
-        return self
-
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -458,185 +348,3 @@ class TrainConfig:
         values = self.to_dict()
         values["data"]["s3_endpoint"] = redact_url(values["data"]["s3_endpoint"])
         return yaml.safe_dump(values, sort_keys=False)
-
-
-def _inside(path: str, folder: str) -> bool:
-    if folder.startswith("s3://"):
-        return False
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return os.path.commonpath([path, folder]) == folder
-
-
-def _require(ok: bool, flag: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise UserError(f"`{flag}` is invalid. Received: {flag.lstrip('-').replace('-', '_')}={value!r}; {fix}.")
-
-
-SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
-
-
-def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(TrainConfig)
-    return {name: hints[name] for name in SECTIONS}
-
-
-def _field(section_cls: type, name: str) -> dataclasses.Field:
-    return next(f for f in dataclasses.fields(section_cls) if f.name == name)
-
-
-def _number_or(words: tuple[str, ...], typ: type):
-    """An argparse type: one of ``words``, or a ``typ``."""
-
-    def parse(text: str):
-        if text in words:
-            return text
-        try:
-            return typ(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"use a number or {' or '.join(words)}. Received: {text!r}") from None
-
-    parse.__name__ = typ.__name__
-    return parse
-
-
-def _field_type(section_cls: type, name: str) -> type:
-    hint = typing.get_type_hints(section_cls)[name]
-    if isinstance(hint, types.UnionType):  # e.g. int | None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds one flag per configuration field; unset flags stay absent.
-
-    Defaults are not given to argparse (``SUPPRESS``) so that a YAML file's
-    value is only overridden by flags the user actually typed.
-    """
-    parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML file; flags win")
-    for section, cls in _section_types().items():
-        group = parser.add_argument_group(section)
-        for f in dataclasses.fields(cls):
-            typ = _field_type(cls, f.name)
-            kwargs: dict[str, Any] = {
-                "dest": f"{section}.{f.name}",
-                "default": argparse.SUPPRESS,
-                "help": f"{f.metadata['help']} (default: {f.default})",
-            }
-            if typ is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = _number_or(f.metadata["words"], typ) if "words" in f.metadata else typ
-                kwargs["metavar"] = f.name.upper()
-                if "choices" in f.metadata:
-                    kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(f.metadata["flag"], *f.metadata.get("aliases", ()), **kwargs)
-
-
-def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None = None) -> TrainConfig:
-    """Builds the configuration: defaults, then the YAML file, then the flags.
-
-    Args:
-        args: parsed flags from a parser made with ``add_arguments``.
-        yaml_path: YAML file; defaults to ``args.config``.
-
-    Returns:
-        The validated configuration.
-
-    Raises:
-        UserError: for an unreadable file, an unknown key or an invalid value.
-    """
-    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    yaml_path = yaml_path or (getattr(args, "config", None) if args else None)
-    if yaml_path:
-        _merge(values, _read_yaml(yaml_path), yaml_path)
-    for key, value in vars(args or argparse.Namespace()).items():
-        if "." in key:
-            section, name = key.split(".", 1)
-            values[section][name] = value
-    return build(values).validate()
-
-
-def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
-    """Makes a TrainConfig from nested section dicts, coercing YAML scalars."""
-    sections = {}
-    for section, cls in _section_types().items():
-        kwargs = {}
-        for name, value in values.get(section, {}).items():
-            typ = _field_type(cls, name)
-            words = _field(cls, name).metadata.get("words", ())
-            kwargs[name] = value if value in words else _coerce(value, typ, f"{section}.{name}")
-        sections[section] = cls(**kwargs)
-    return TrainConfig(**sections)
-
-
-def _coerce(value: Any, typ: type, key: str) -> Any:
-    if value is None:
-        value = ""
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        raise UserError(f"`{key}` must be true or false. Received: {value!r}; fix the config file.")
-    if typ is str:
-        return str(value)
-    try:
-        coerced = typ(value)
-    except (TypeError, ValueError):
-        raise UserError(f"`{key}` must be {typ.__name__}. Received: {value!r}; fix the config file.") from None
-    if typ is int and isinstance(value, float) and value != coerced:
-        raise UserError(f"`{key}` must be a whole number. Received: {value!r}; fix the config file.")
-    return coerced
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise UserError(f"cannot read config file {path}: {e.strerror}; check --config.") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
-    if not isinstance(loaded, dict):
-        raise UserError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}).")
-    return loaded
-
-
-def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str) -> None:
-    hints = _section_types()
-    for section, body in loaded.items():
-        if section not in SECTIONS:
-            raise UserError(f"config file {path}: unknown section {section!r}; use one of {', '.join(SECTIONS)}.")
-        if not isinstance(body, dict):
-            raise UserError(f"config file {path}: section {section!r} must be a mapping.")
-        known = {f.name for f in dataclasses.fields(hints[section])}
-        for name, value in body.items():
-            if name not in known:
-                raise UserError(
-                    f"config file {path}: unknown key {section}.{name}; known keys: {', '.join(sorted(known))}."
-                )
-            values[section][name] = value
-
-
-def parse_every(text: str) -> tuple[int, float]:
-    """Reads ``--checkpoint-every`` and ``--log-every``: ``(steps, 0)``, ``(0, seconds)``, or ``(0, 0)`` for none.
-
-    ``500`` is steps; ``90s``, ``15m``, ``2h`` are durations; ``""`` is none.
-
-    Raises:
-        ValueError: anything else.
-    """
-    text = str(text or "").strip().lower()
-    if not text:
-        return 0, 0.0
-    if text.isdigit():
-        if int(text) < 1:
-            raise ValueError(text)
-        return int(text), 0.0
-    units = {"s": 1, "m": 60, "h": 3600}
-    number, unit = text[:-1], text[-1:]
-    try:
-        seconds = float(number) * units[unit]
-    except (KeyError, ValueError):
-        raise ValueError(text) from None
-    if not seconds > 0:
-        raise ValueError(text)
-    return 0, seconds

@@ -1,0 +1,144 @@
+"""Validation of a resolved configuration: every value checked once, before any rank reads data."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from hvd_train.config.choices import TrainConfig
+from hvd_train.data.storage import redact_url
+from hvd_train.errors import UserError
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks every value; raises UserError naming the flag and the fix."""
+    d, m, o, h, r = cfg.data, cfg.model, cfg.optim, cfg.horovod, cfg.run
+    _require(bool(d.train), "--data", d.train, "give the image folder to train on")
+    _require(bool(r.output), "--output", r.output, "give a folder for the results")
+    _require(0.0 <= d.val_split < 1.0, "--val-split", d.val_split, "use a fraction in [0, 1)")
+    _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
+    _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
+    _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
+    _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
+    _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")
+    _require(
+        not d.s3_endpoint or d.s3_endpoint.startswith(("http://", "https://")),
+        "--s3-endpoint",
+        redact_url(d.s3_endpoint),
+        "give a URL such as http://127.0.0.1:9000",
+    )
+    _require(m.trainable_layers >= 0, "--trainable-layers", m.trainable_layers, "use a number >= 0")
+    _require(0.0 <= m.dropout < 1.0, "--dropout", m.dropout, "use a rate in [0, 1)")
+    _require(0.0 <= m.bn_momentum < 1.0, "--bn-momentum", m.bn_momentum, "use [0, 1)")
+    _require(
+        not (m.freeze_backbone and m.trainable_layers),
+        "--trainable-layers",
+        m.trainable_layers,
+        "drop it or --freeze-backbone: they contradict",
+    )
+    _require(
+        o.base_lr == "auto" or (o.base_lr > 0 and math.isfinite(o.base_lr)),
+        "--base-lr",
+        o.base_lr,
+        "use a number > 0, or auto",
+    )
+    _require(0.0 <= o.momentum < 1.0, "--momentum", o.momentum, "use [0, 1)")
+    _require(o.warmup_epochs >= 0, "--warmup-epochs", o.warmup_epochs, "use a number >= 0")
+    _require(0.0 < o.lr_drop_factor <= 1.0, "--lr-drop-factor", o.lr_drop_factor, "use (0, 1]")
+    _require(o.lr_drop_period >= 1, "--lr-drop-period", o.lr_drop_period, "use a whole number >= 1")
+    _require(o.head_lr_mult > 0, "--head-lr-mult", o.head_lr_mult, "use a number > 0")
+    _require(
+        o.head_lr_mult == 1.0 or o.optimizer == "sgd",
+        "--head-lr-mult",
+        o.head_lr_mult,
+        "it is applied by scaling the head's gradients, which only equals a learning-rate "
+        "multiplier for --optimizer sgd; use sgd or drop --head-lr-mult",
+    )
+    _require(h.grad_accum >= 1, "--grad-accum", h.grad_accum, "use a whole number >= 1")
+    _require(h.threads_per_rank >= 0, "--threads-per-rank", h.threads_per_rank, "use 0 or more")
+    _require(h.commit_every >= 1, "--commit-every", h.commit_every, "use a whole number >= 1")
+    _require(h.fusion_threshold_mb >= 0, "--fusion-threshold-mb", h.fusion_threshold_mb, "use 0 or more")
+    _require(h.cycle_time_ms >= 0, "--cycle-time-ms", h.cycle_time_ms, "use 0 or more")
+    c = cfg.compute
+    _require(
+        not (c.precision == "mixed_float16" and h.grad_accum > 1),
+        "--grad-accum",
+        h.grad_accum,
+        "with --precision mixed_float16 the loss scale may change between the accumulated passes, which "
+        "would mix gradients of different scales; use --precision mixed_bfloat16 or fp32, or drop --grad-accum",
+    )
+    _require(
+        not (c.xla == "jit" and h.grad_accum > 1),
+        "--grad-accum",
+        h.grad_accum,
+        "--xla jit allreduces the gradients of every step outside the compiled part; use --xla auto or off",
+    )
+    _require(
+        not (h.elastic and h.grad_accum > 1),
+        "--grad-accum",
+        h.grad_accum,
+        "an elastic job cannot roll back gradients accumulated between updates; drop --grad-accum or --elastic",
+    )
+    try:
+        parse_every(r.checkpoint_every)
+    except ValueError:
+        _require(
+            False,
+            "--checkpoint-every",
+            r.checkpoint_every,
+            "give a number of steps (500) or a duration (90s, 15m, 2h)",
+        )
+    try:
+        parse_every(r.log_every)
+    except ValueError:
+        _require(False, "--log-every", r.log_every, "give a number of steps (200) or a duration (30s, 5m)")
+    _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
+    _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
+    for flag, folder in (("--data", d.train), ("--val-data", d.val)):
+        _require(
+            not folder or not _inside(r.output, folder),
+            "--output",
+            r.output,
+            f"it is inside {flag} {folder}, where its files would be read as a class; choose another folder",
+        )
+    _require(bool(m.weights), "--weights", m.weights, "use imagenet, none, or the path of a weights file")
+    return cfg
+
+
+def _inside(path: str, folder: str) -> bool:
+    if folder.startswith("s3://"):
+        return False
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _require(ok: bool, flag: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise UserError(f"`{flag}` is invalid. Received: {flag.lstrip('-').replace('-', '_')}={value!r}; {fix}.")
+
+
+def parse_every(text: str) -> tuple[int, float]:
+    """Reads ``--checkpoint-every`` and ``--log-every``: ``(steps, 0)``, ``(0, seconds)``, or ``(0, 0)`` for none.
+
+    ``500`` is steps; ``90s``, ``15m``, ``2h`` are durations; ``""`` is none.
+
+    Raises:
+        ValueError: anything else.
+    """
+    text = str(text or "").strip().lower()
+    if not text:
+        return 0, 0.0
+    if text.isdigit():
+        if int(text) < 1:
+            raise ValueError(text)
+        return int(text), 0.0
+    units = {"s": 1, "m": 60, "h": 3600}
+    number, unit = text[:-1], text[-1:]
+    try:
+        seconds = float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(text) from None
+    if not seconds > 0:
+        raise ValueError(text)
+    return 0, seconds

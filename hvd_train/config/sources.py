@@ -1,0 +1,158 @@
+"""How a configuration is read: defaults -> YAML file -> command line, and the flags made from the fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from hvd_train.config.checks import validate
+from hvd_train.config.choices import TrainConfig
+from hvd_train.errors import UserError
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field(section_cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(section_cls) if f.name == name)
+
+
+def _number_or(words: tuple[str, ...], typ: type):
+    """An argparse type: one of ``words``, or a ``typ``."""
+
+    def parse(text: str):
+        if text in words:
+            return text
+        try:
+            return typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"use a number or {' or '.join(words)}. Received: {text!r}") from None
+
+    parse.__name__ = typ.__name__
+    return parse
+
+
+def _field_type(section_cls: type, name: str) -> type:
+    hint = typing.get_type_hints(section_cls)[name]
+    if isinstance(hint, types.UnionType):  # e.g. int | None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per configuration field; unset flags stay absent.
+
+    Defaults are not given to argparse (``SUPPRESS``) so that a YAML file's
+    value is only overridden by flags the user actually typed.
+    """
+    parser.add_argument("--config", metavar="FILE.yaml", help="read options from a YAML file; flags win")
+    for section, cls in _section_types().items():
+        group = parser.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            typ = _field_type(cls, f.name)
+            kwargs: dict[str, Any] = {
+                "dest": f"{section}.{f.name}",
+                "default": argparse.SUPPRESS,
+                "help": f"{f.metadata['help']} (default: {f.default})",
+            }
+            if typ is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _number_or(f.metadata["words"], typ) if "words" in f.metadata else typ
+                kwargs["metavar"] = f.name.upper()
+                if "choices" in f.metadata:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(f.metadata["flag"], *f.metadata.get("aliases", ()), **kwargs)
+
+
+def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None = None) -> TrainConfig:
+    """Builds the configuration: defaults, then the YAML file, then the flags.
+
+    Args:
+        args: parsed flags from a parser made with ``add_arguments``.
+        yaml_path: YAML file; defaults to ``args.config``.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        UserError: for an unreadable file, an unknown key or an invalid value.
+    """
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    yaml_path = yaml_path or (getattr(args, "config", None) if args else None)
+    if yaml_path:
+        _merge(values, _read_yaml(yaml_path), yaml_path)
+    for key, value in vars(args or argparse.Namespace()).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            values[section][name] = value
+    return validate(build(values))
+
+
+def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
+    """Makes a TrainConfig from nested section dicts, coercing YAML scalars."""
+    sections = {}
+    for section, cls in _section_types().items():
+        kwargs = {}
+        for name, value in values.get(section, {}).items():
+            typ = _field_type(cls, name)
+            words = _field(cls, name).metadata.get("words", ())
+            kwargs[name] = value if value in words else _coerce(value, typ, f"{section}.{name}")
+        sections[section] = cls(**kwargs)
+    return TrainConfig(**sections)
+
+
+def _coerce(value: Any, typ: type, key: str) -> Any:
+    if value is None:
+        value = ""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"`{key}` must be true or false. Received: {value!r}; fix the config file.")
+    if typ is str:
+        return str(value)
+    try:
+        coerced = typ(value)
+    except (TypeError, ValueError):
+        raise UserError(f"`{key}` must be {typ.__name__}. Received: {value!r}; fix the config file.") from None
+    if typ is int and isinstance(value, float) and value != coerced:
+        raise UserError(f"`{key}` must be a whole number. Received: {value!r}; fix the config file.")
+    return coerced
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror}; check --config.") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}).")
+    return loaded
+
+
+def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str) -> None:
+    hints = _section_types()
+    for section, body in loaded.items():
+        if section not in SECTIONS:
+            raise UserError(f"config file {path}: unknown section {section!r}; use one of {', '.join(SECTIONS)}.")
+        if not isinstance(body, dict):
+            raise UserError(f"config file {path}: section {section!r} must be a mapping.")
+        known = {f.name for f in dataclasses.fields(hints[section])}
+        for name, value in body.items():
+            if name not in known:
+                raise UserError(
+                    f"config file {path}: unknown key {section}.{name}; known keys: {', '.join(sorted(known))}."
+                )
+            values[section][name] = value
