@@ -12,7 +12,7 @@ from PIL import Image
 
 from hvd_train import compat  # noqa: F401
 from hvd_train.data import packed
-from hvd_train.data.blocks import ShardLayout
+from hvd_train.data.blocks import BlockLayout
 from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment, from_intervals
 from hvd_train.data.storage import S3Options
@@ -121,7 +121,7 @@ def test_every_rank_runs_the_same_steps_and_sees_every_image(packed_dir, size):
 def test_records_of_a_rank_are_read_in_few_ranged_reads_and_mixed(packed_dir):
     shard_set = packed.load(str(packed_dir), "--data")
     seg = Segment.whole(0, N, 2, 4, seed=1)
-    layout = ShardLayout(shard_set, seed=1, epoch=0, block_bytes=2000, cycle=3)
+    layout = BlockLayout(shard_set, seed=1, epoch=0, block_bytes=2000, cycle=3)
     blocks, block_of, within, positions = layout.reads(seg, rank=0)
     assert len(blocks) < len(positions) / 2, "records come in blocks, not one read each"
     assert all(b.last - b.first >= 1 for b in blocks)
@@ -139,7 +139,7 @@ def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packe
     later = shard_input(shard_set, 1, 2, epochs=1, first_step=3)
     assert ids_of(later.dataset)[0] == whole[3 * 4 :]
     # Only the blocks the rest needs were read.
-    layout = ShardLayout(shard_set, 1, 0)
+    layout = BlockLayout(shard_set, 1, 0)
     needed = len(set(layout.reads(Segment.whole(0, N, 2, 4, seed=1), 1, 3)[1].tolist()))
     assert later.reader.stats()["objects"] == needed
 
@@ -147,7 +147,7 @@ def test_a_resumed_shard_stream_skips_what_was_consumed_without_reading_it(packe
 @pytest.mark.parametrize("sizes", [(2, 3), (3, 1, 2)])
 def test_redealing_a_shard_epoch_covers_exactly_the_records_left(packed_dir, sizes):
     shard_set = packed.load(str(packed_dir), "--data")
-    layout = ShardLayout(shard_set, seed=1, epoch=0)
+    layout = BlockLayout(shard_set, seed=1, epoch=0)
     seg = Segment.whole(0, N, sizes[0], 4, seed=1)
     consumed = set()
     for new_size in [*sizes[1:], None]:

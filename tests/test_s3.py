@@ -12,9 +12,10 @@ from hvd_train import compat  # noqa: F401
 from hvd_train.data import packed
 from hvd_train.data.folder import list_folder, split_per_class
 from hvd_train.data.images import find_bad_images
-from hvd_train.data.pipeline import eval_dataset, input_failure, train_input
+from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.data.storage import S3Options
+from hvd_train.data.streams import input_failure
 from hvd_train.errors import UserError
 
 from conftest import S3_SECRET, S3Server, cli, free_port, output_of, write_images

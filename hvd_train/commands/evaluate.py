@@ -29,9 +29,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train.data.pipeline import eval_dataset, input_errors
+    from hvd_train.data.pipeline import eval_dataset
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
+    from hvd_train.data.streams import input_errors
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.results.evaluation import evaluate

@@ -1,6 +1,6 @@
 """Reading packed shard sets in blocks: which records a rank reads, and in which order.
 
-Training (``ShardLayout``): an epoch's order is the records shard after
+Training (``BlockLayout``): an epoch's order is the records shard after
 shard, in a shard order drawn from ``(seed, epoch)``. Each rank takes one
 contiguous run of a segment's padded positions (so it reads its records
 with a few ranged reads, not one request per image), cut into blocks of
@@ -43,7 +43,7 @@ def shard_order(shard_set: ShardSet, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 1]).permutation(len(shard_set.shards))
 
 
-class ShardLayout(Layout):
+class BlockLayout(Layout):
     """Deals a segment of epoch ``epoch`` of a shard set to ranks (see the module docstring)."""
 
     def __init__(self, shard_set: ShardSet, seed: int, epoch: int, block_bytes: int = BLOCK_BYTES, cycle: int = CYCLE):
@@ -163,7 +163,7 @@ def stream_records(plans: Iterable[tuple], fetch: Callable[[Block], list[bytes]]
             for each record to emit, in order, its block and its index in the
             block; ``tag`` is passed through with every record of the plan.
         fetch: reads one block's records.
-        fetcher: a ``storage.Fetcher``: blocks are fetched in parallel, in
+        fetcher: a ``fetcher.Fetcher``: blocks are fetched in parallel, in
             the order of their first use, across plans.
         cycle: blocks in use at once; the fetcher reads ahead of them.
     """

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from hvd_train.compat import tf
 from hvd_train.data import storage
+from hvd_train.data.fetcher import Fetcher
 from hvd_train.errors import UserError
 
 # --alpha-background: what transparent pixels are composited over.
@@ -250,7 +251,7 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) ->
         return []
     if storage.is_s3(paths[0]):
         options = s3 or storage.S3Options()
-        fetcher = storage.Fetcher(options.concurrency)
+        fetcher = Fetcher(options.concurrency)
         stream = fetcher.stream(range(len(paths)), lambda i: storage.read_url(paths[i], options))
         bad = []
         for i, _, reason in sort_out(stream):

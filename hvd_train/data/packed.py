@@ -28,6 +28,7 @@ import numpy as np
 
 from hvd_train.compat import tf
 from hvd_train.data import storage
+from hvd_train.data.fetcher import Fetcher
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
 from hvd_train.distributed.context import Context
@@ -292,7 +293,7 @@ def _pack_share(images, source, out, shard_size, on_bad_image, seed, s3, src, al
     root = source.url.rstrip("/") + "/"
     order = np.random.default_rng(seed).permutation(len(images))
     mine = np.array_split(order, ctx.size)[ctx.rank]
-    fetcher = storage.Fetcher(s3.concurrency if storage.is_s3(src) else 8)
+    fetcher = Fetcher(s3.concurrency if storage.is_s3(src) else 8)
 
     def read(i: int) -> bytes:
         return source.read(images.paths[i][len(root) :])

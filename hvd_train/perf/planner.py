@@ -39,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from hvd_train.errors import UserError
+from hvd_train.training.schedules import linear_scaling
 
 BACKWARD_SHARE = 2 / 3  # of a step: the backward pass, during which gradients are ready to send
 
@@ -182,7 +183,7 @@ def predict(setup: Setup, workers: int) -> Prediction:
         efficiency=rate / single,
         bottleneck=bottleneck,
         global_batch=workers * setup.batch * setup.accum,
-        lr=setup.base_lr * workers * setup.accum,
+        lr=linear_scaling(setup.base_lr, workers * setup.batch * setup.accum, setup.batch),
     )
 
 

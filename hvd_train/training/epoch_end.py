@@ -1,6 +1,6 @@
 """The end of an epoch on every rank: metrics averaged over ranks, BatchNorm statistics synced, held-out scores.
 
-``close_epoch`` gives the epoch's logs (the same on every rank); ``evaluate``
+``close_epoch`` gives the epoch's logs (the same on every rank); ``evaluate_held_out``
 scores every held-out image exactly once, spread over the ranks, and is what
 the final evaluation calls too.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from hvd_train.data.images import why_undecodable
-from hvd_train.data.pipeline import eval_dataset, input_errors
+from hvd_train.data.pipeline import eval_dataset
+from hvd_train.data.streams import input_errors
 from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
@@ -44,13 +45,13 @@ def close_epoch(
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
     gradients.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
     if job.val is not None:
-        result = evaluate(job, ctx, net, batch_size, history, f"val.{epoch}")
+        result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}")
         logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
     history.epochs[epoch] = logs
     return logs
 
 
-def evaluate(job: Job, ctx: Context, net: Net, batch_size: int, history: History, name: str) -> EvalResult:
+def evaluate_held_out(job: Job, ctx: Context, net: Net, batch_size: int, history: History, name: str) -> EvalResult:
     """Scores every held-out image once (all ranks take part); kept as ``history.last_eval``."""
     cfg = job.cfg
     held_out = eval_dataset(

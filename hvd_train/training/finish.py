@@ -74,7 +74,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     cfg = job.cfg
     final = history.last_eval
     if final is None and job.val is not None:
-        final = epoch_end.evaluate(job, ctx, net, state.batch_size, history, "val.final")
+        final = epoch_end.evaluate_held_out(job, ctx, net, state.batch_size, history, "val.final")
     digests = ctx.allgather_object(_weights_digest(net.model), name="weights_digest")
     identical = len(set(digests)) == 1
     if not identical:

@@ -2,8 +2,8 @@
 
 Everything here is plain data, the same on every rank. ``make_plan`` is the
 one place where the world size turns into batch sizes, steps per epoch and
-the learning rate (Goyal et al.'s linear scaling); the schedule turns that
-peak rate into the value of each step (``schedules.WarmupSchedule``).
+the peak learning rate; the rule itself (Goyal et al.'s linear scaling) and
+the schedule that turns the peak into each step's rate are in ``schedules``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import statistics
 from dataclasses import dataclass, field
 
 from hvd_train.config import TrainConfig
-from hvd_train.data.blocks import ShardLayout
+from hvd_train.data.blocks import BlockLayout
 from hvd_train.data.folder import ImageSet
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.pipeline import STRIDED
 from hvd_train.data.sharding import Layout
 from hvd_train.model.catalogue import ModelSpec
 from hvd_train.results.evaluation import EvalResult
+from hvd_train.training import schedules
 from hvd_train.training.state import TrainState
 
 
@@ -61,14 +62,12 @@ def make_plan(cfg: TrainConfig, world_size: int, num_train: int, global_batch: i
     per_pass = batch * world_size
     steps = max(1, math.ceil(num_train / per_pass))
     steps = math.ceil(steps / accum) * accum
-    # Goyal et al.: the learning rate grows linearly with the global batch.
-    scale = per_pass * accum / cfg.data.batch_size
     return Plan(
         world_size=world_size,
         batch_size=batch,
         global_batch=per_pass * accum,
         steps_per_epoch=steps,
-        scaled_lr=cfg.optim.base_lr * scale,
+        scaled_lr=schedules.linear_scaling(cfg.optim.base_lr, per_pass * accum, cfg.data.batch_size),
     )
 
 
@@ -117,7 +116,7 @@ class Job:
     def layout(self, epoch: int) -> Layout:
         """How epoch ``epoch`` is dealt to ranks."""
         if isinstance(self.train, ShardSet):
-            return ShardLayout(self.train, self.cfg.run.seed, epoch)
+            return BlockLayout(self.train, self.cfg.run.seed, epoch)
         return STRIDED
 
 

@@ -19,18 +19,18 @@ import time
 
 import numpy as np
 
-from hvd_train.data.pipeline import input_errors, release, train_input
+from hvd_train.data.pipeline import release, train_input
 from hvd_train.data.sharding import Segment
+from hvd_train.data.streams import input_errors
 from hvd_train.distributed import start
 from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import epoch_end
+from hvd_train.training import epoch_end, schedules
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary
 from hvd_train.training.job import History, Job, Plan
 from hvd_train.training.preemption import StopRequests
-from hvd_train.training.schedules import WarmupSchedule
 from hvd_train.training.state import TrainState
 from hvd_train.training.writers import Reporters
 
@@ -113,15 +113,7 @@ class Loop:
                 state.segment().pending_count,
             )
         state.global_batch = plan.global_batch
-        self.schedule = WarmupSchedule(
-            initial_lr=self.cfg.optim.base_lr,
-            peak_lr=plan.scaled_lr,
-            warmup_epochs=self.cfg.optim.warmup_epochs,
-            total_epochs=self.cfg.run.epochs,
-            decay=self.cfg.optim.lr_schedule,
-            drop_factor=self.cfg.optim.lr_drop_factor,
-            drop_period_epochs=self.cfg.optim.lr_drop_period,
-        )
+        self.schedule = schedules.of_run(self.cfg.optim, self.cfg.run.epochs, plan.scaled_lr)
         self.net.set_rank(ctx.rank)
         self.boundary.restart()
         if ctx.is_root:

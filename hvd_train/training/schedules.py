@@ -20,6 +20,35 @@ from __future__ import annotations
 import math
 
 
+def linear_scaling(base_lr: float, global_batch: int, batch_size: int) -> float:
+    """The peak rate for ``global_batch`` images per update: ``base_lr`` is one worker's rate at ``batch_size``.
+
+    Goyal et al.: the learning rate grows linearly with the global batch
+    (workers x batch x accumulation), so each image moves the weights as much
+    as it would on one worker.
+    """
+    return base_lr * (global_batch / batch_size)
+
+
+def of_run(optim, epochs: int, peak_lr: float) -> WarmupSchedule:
+    """The schedule of a run: from ``--base-lr`` up to ``peak_lr`` (``linear_scaling``), then the decay.
+
+    Args:
+        optim: the run's ``OptimConfig`` (warmup, decay and its steps).
+        epochs: the run's ``--epochs``.
+        peak_lr: the rate scaled to the run's global batch.
+    """
+    return WarmupSchedule(
+        initial_lr=optim.base_lr,
+        peak_lr=peak_lr,
+        warmup_epochs=optim.warmup_epochs,
+        total_epochs=epochs,
+        decay=optim.lr_schedule,
+        drop_factor=optim.lr_drop_factor,
+        drop_period_epochs=optim.lr_drop_period,
+    )
+
+
 class WarmupSchedule:
     """Linear warmup from ``initial_lr`` to ``peak_lr``, then a decay; a function of epochs.
 
