@@ -30,7 +30,7 @@ class Context:
         size: number of processes.
         local_rank: rank on this host; picks the GPU.
         local_size: processes on this host; divides the CPU cores.
-        cpu: CPU threads of this process and where the number came from (set by :func:`init`).
+        cpu: CPU threads of this process and where the number came from (set by ``start.init``).
     """
 
     rank: int = 0

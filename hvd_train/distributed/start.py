@@ -50,7 +50,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
       support Horovod needs and ``MPI_Abort`` is at hand to stop every rank.
     * One GPU per local rank, with memory growth, when GPUs exist.
     * CPU threads from the CPUs the process may use (affinity mask, cgroup
-      quota: :mod:`hvd_train.cpus`), divided among the processes of a host
+      quota: :mod:`hvd_train.distributed.cpus`), divided among the processes of a host
       that share them, so N ranks do not each start a thread per core.
 
     Args:
