@@ -18,62 +18,36 @@ and written next to the outputs as ``run_config.yaml``.
 
 The package: ``choices`` (the dataclasses and their fields), ``checks``
 (``validate``) and ``sources`` (flags, YAML, the merge). Its face names
-what callers use, so ``config.from_sources`` and ``config.TrainConfig``
-read as one thing.
+what callers outside it use, so ``config.from_sources`` and
+``config.TrainConfig`` read as one thing.
 """
 
-from hvd_train.config.checks import parse_every, validate
+from hvd_train.config.checks import parse_every
 from hvd_train.config.choices import (
     ALPHA_BACKGROUNDS,
     AUGMENTATIONS,
-    AUTOTUNE_LOG,
-    BAD_IMAGE_POLICIES,
-    BN_MODES,
-    ELASTIC_BATCH,
-    HEAD_NORMS,
-    IMAGE_CHECKS,
-    LR_SCHEDULES,
     MODEL_HELP,
-    OPTIMIZERS,
     PRECISIONS,
-    TIMELINE,
     XLA_MODES,
-    ComputeConfig,
     DataConfig,
-    HorovodConfig,
     ModelConfig,
     OptimConfig,
-    RunConfig,
     TrainConfig,
 )
-from hvd_train.config.sources import SECTIONS, add_arguments, build, from_sources
+from hvd_train.config.sources import add_arguments, build, from_sources
 
 __all__ = [
     "ALPHA_BACKGROUNDS",
     "AUGMENTATIONS",
-    "AUTOTUNE_LOG",
-    "BAD_IMAGE_POLICIES",
-    "BN_MODES",
-    "ELASTIC_BATCH",
-    "HEAD_NORMS",
-    "IMAGE_CHECKS",
-    "LR_SCHEDULES",
     "MODEL_HELP",
-    "OPTIMIZERS",
     "PRECISIONS",
-    "SECTIONS",
-    "TIMELINE",
     "XLA_MODES",
-    "ComputeConfig",
     "DataConfig",
-    "HorovodConfig",
     "ModelConfig",
     "OptimConfig",
-    "RunConfig",
     "TrainConfig",
     "add_arguments",
     "build",
     "from_sources",
     "parse_every",
-    "validate",
 ]
