@@ -48,13 +48,20 @@ def small_file_system(folder: Path, size: str):
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """Environment of launched jobs: unbuffered output, Open MPI allowed as root."""
+    """Environment of launched jobs: unbuffered output, Open MPI allowed as root and yielding when idle.
+
+    Two ranks share the two cores with their launcher and pytest: Open MPI's
+    default busy wait would take a core from the rank that computes (a 3-epoch
+    2-rank mpirun job of TINY: 21-23 s and 40 CPU-s yielding, 29-32 s and 60
+    CPU-s spinning; docs/launching.md, "Ranks that share cores").
+    """
     env = dict(os.environ)
     env.update(
         PYTHONUNBUFFERED="1",
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         OMPI_MCA_rmaps_base_oversubscribe="1",
+        OMPI_MCA_mpi_yield_when_idle="1",
         TF_CPP_MIN_LOG_LEVEL="3",
     )
     env.update(extra)
