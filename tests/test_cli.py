@@ -100,30 +100,20 @@ def test_report_in_a_real_browser(trained_run, tmp_path):
         assert len(shot.convert("L").getcolors(1 << 16)) > 50  # drawn, not blank
 
 
-def test_evaluate_reports_every_image(trained_run, demo_small, tmp_path):
-    out, _ = trained_run
-    report = tmp_path / "eval.json"
-    proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--batch-size", "7", "--report", report])
-    assert proc.returncode == 0, output_of(proc)
-    result = read_json(report)
-    assert result["images"] == 115
-    assert sum(map(sum, result["confusion_matrix"])) == 115
-    assert set(result["per_class_accuracy"]) == set(result["classes"])
-    assert f"accuracy  {result['accuracy']:.4f}" in proc.stdout
-    with Image.open(tmp_path / "confusion.png") as im:  # drawn beside the report
-        assert im.format == "PNG"
-
-
-def test_predict_writes_csv(trained_run, demo_small, tmp_path):
+def test_predict_writes_csv_and_skips_unreadable_files(trained_run, demo_small, tmp_path):
     out, _ = trained_run
     folder = demo_small / "dots"
     one_file = next((demo_small / "checkerboard").glob("*.png"))
-    target = tmp_path / "pred.csv"
-    proc = cli(["predict", "--model-dir", out, one_file, folder, "--output", target])
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"")
+    proc = cli(["predict", "--model-dir", out, one_file, folder, broken])
     assert proc.returncode == 0, output_of(proc)
-    with open(target) as f:
-        rows = list(csv.DictReader(f))
-    assert rows[0]["path"] == str(one_file)
+    # The CSV on stdout, and nothing else there; the unreadable file is named on stderr, with no row.
+    paths = [line.split(",")[0] for line in proc.stdout.splitlines()]
+    assert paths[:2] == ["path", str(one_file)]
+    assert sorted(paths[2:]) == sorted(str(p) for p in folder.rglob("*") if p.is_file())
+    assert "broken.png: empty file" in proc.stderr
+    rows = list(csv.DictReader(proc.stdout.splitlines()))
     assert len(rows) == 1 + len([p for p in folder.rglob("*") if p.is_file()])
     classes = json.loads((out / "labels.json").read_text())
     assert all(r["label"] in classes and 0 < float(r["probability"]) <= 1 for r in rows)
@@ -201,41 +191,6 @@ def test_bad_image_fails_with_fail_policy(tmp_path):
     assert not (tmp_path / "o" / "checkpoints").exists()
 
 
-def test_bad_images_are_skipped_and_listed(tmp_path):
-    data = write_images(tmp_path / "d", {"a": 6, "b": 6})
-    (data / "a" / "zero.png").write_bytes(b"")
-    (data / "b" / "text.jpg").write_text("hello")
-    Image.new("CMYK", (20, 20), (10, 200, 30, 0)).save(data / "b" / "cmyk.jpg")
-    png_with_a_corrupt_middle(data / "a" / "middle.png")  # passes the quick check; met in training
-    out = tmp_path / "o"
-    proc = cli(
-        ["train", "--data", data, "--output", out, *TINY, "--epochs", "1", "--val-split", "0", "--log-every", "1"]
-    )
-    assert proc.returncode == 0, output_of(proc)
-    assert "skipping 2 image(s)" in proc.stderr
-    assert "zero.png: empty file" in proc.stderr and "text.jpg: Unknown image file format" in proc.stderr
-    assert "cmyk.jpg" not in proc.stderr
-    assert "skipped 1 image(s) met during training that cannot be decoded (given no weight)" in proc.stderr
-    skipped = {Path(s["path"]).name: s for s in read_json(out / "summary.json")["skipped_images"]}
-    assert {n: s["found"] for n, s in skipped.items()} == {
-        "zero.png": "check",
-        "text.jpg": "check",
-        "middle.png": "training",
-    }
-    assert "CRC" in skipped["middle.png"]["reason"] or "PNG" in skipped["middle.png"]["reason"]
-    # A rerun resumes from the checkpoint (every epoch done: it evaluates and writes the outputs
-    # again): the images met in training before stay listed.
-    again = cli(["train", "--data", data, "--output", out, *TINY, "--epochs", "1", "--val-split", "0"])
-    assert again.returncode == 0 and "resuming from" in again.stderr, output_of(again)
-    resumed = {Path(s["path"]).name: s for s in read_json(out / "summary.json")["skipped_images"]}
-    assert resumed == skipped
-    # In a log file (not a terminal), a progress line per --log-every: step, speed, loss, ETA.
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert steps and all(
-        re.match(r"step \d+/\d+ - [\d.]+ images/s - loss: [\d.]+ - accuracy: [\d.]+ - ETA \d", s) for s in steps
-    )
-
-
 def test_an_image_met_broken_in_training_with_fail_policy_stops_with_its_name(tmp_path):
     data = write_images(tmp_path / "d", {"a": 4, "b": 4})
     png_with_a_corrupt_middle(data / "b" / "middle.png")
@@ -265,43 +220,74 @@ def test_models_lists_names():
     assert proc.returncode == 0 and "ResNet50 " in proc.stdout and "EfficientNetB0" in proc.stdout
 
 
-def test_predict_skips_unreadable_files(trained_run, demo_small, tmp_path):
-    out, _ = trained_run
-    good = next((demo_small / "dots").rglob("*.png"))
-    broken = tmp_path / "broken.png"
-    broken.write_bytes(b"")
-    proc = cli(["predict", "--model-dir", out, good, broken])
-    assert proc.returncode == 0, output_of(proc)
-    assert [line.split(",")[0] for line in proc.stdout.splitlines()] == ["path", str(good)]
-    assert "broken.png: empty file" in proc.stderr
-
-
 def test_batch_size_must_be_positive(trained_run, demo_small):
     out, _ = trained_run
     proc = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--batch-size", "0"])
     assert proc.returncode == 2 and "must be a whole number >= 1. Received: '0'" in proc.stderr
 
 
-def test_config_file_with_held_out_folder_and_flag_override(tmp_path):
+def test_a_config_file_run_skips_and_lists_bad_images_and_evaluate_reports_every_image(tmp_path):
+    """One run for three things: options from a config file (a held-out folder; a flag wins over the file),
+    bad images skipped and listed (before and during training, and again after a rerun), and evaluate
+    counting every image of a folder that lacks one of the classes."""
     train = write_images(tmp_path / "train", {"a": 6, "b": 5, "c": 5})
     held_out = write_images(tmp_path / "held_out", {"a": 3, "c": 4}, seed=1)
+    (train / "a" / "zero.png").write_bytes(b"")
+    (train / "b" / "text.jpg").write_text("hello")
+    Image.new("CMYK", (20, 20), (10, 200, 30, 0)).save(train / "b" / "cmyk.jpg")
+    png_with_a_corrupt_middle(train / "a" / "middle.png")  # passes the quick check; met in training
+    out = tmp_path / "out"
     config = tmp_path / "run.yaml"
     config.write_text(
         yaml.safe_dump(
             {
                 "data": {"train": str(train), "val": str(held_out), "batch_size": 16},
-                "model": {"name": "MobileNetV2", "weights": "none"},
-                "run": {"output": str(tmp_path / "out"), "epochs": 1},
+                "model": {"name": "MobileNet", "weights": "none"},
+                "run": {"output": str(out), "epochs": 1},
             }
         )
     )
-    proc = cli(["train", "--config", config, "--batch-size", "4", "--image-size", "32", "--no-tensorboard"])
+    flags = ["--batch-size", "4", "--image-size", "32", "--no-tensorboard", "--threads-per-rank", "1"]
+    proc = cli(["train", "--config", config, *flags, "--log-every", "1"])
     assert proc.returncode == 0, output_of(proc)
-    written = yaml.safe_load((tmp_path / "out" / "run_config.yaml").read_text())
+    written = yaml.safe_load((out / "run_config.yaml").read_text())
     assert written["data"]["batch_size"] == 4 and written["data"]["val"] == str(held_out)
-    summary = read_json(tmp_path / "out" / "summary.json")
-    assert summary["val_images"] == 7 and summary["steps_per_epoch"] == 4  # ceil(16 / 4)
-    report = cli(["evaluate", "--model-dir", tmp_path / "out", "--data", held_out, "--report", tmp_path / "e.json"])
-    assert report.returncode == 0, output_of(report)
-    per_class = read_json(tmp_path / "e.json")["per_class_accuracy"]
+    summary = read_json(out / "summary.json")
+    # ceil(18 / 4): the 16 good images, the CMYK JPEG and the PNG broken in the middle.
+    assert summary["val_images"] == 7 and summary["steps_per_epoch"] == 5
+    # The bad images.
+    assert "skipping 2 image(s)" in proc.stderr
+    assert "zero.png: empty file" in proc.stderr and "text.jpg: Unknown image file format" in proc.stderr
+    assert "cmyk.jpg" not in proc.stderr
+    assert "skipped 1 image(s) met during training that cannot be decoded (given no weight)" in proc.stderr
+    skipped = {Path(s["path"]).name: s for s in summary["skipped_images"]}
+    assert {n: s["found"] for n, s in skipped.items()} == {
+        "zero.png": "check",
+        "text.jpg": "check",
+        "middle.png": "training",
+    }
+    assert "CRC" in skipped["middle.png"]["reason"] or "PNG" in skipped["middle.png"]["reason"]
+    # A rerun resumes from the checkpoint (every epoch done: it evaluates and writes the outputs
+    # again): the images met in training before stay listed.
+    again = cli(["train", "--config", config, *flags])
+    assert again.returncode == 0 and "resuming from" in again.stderr, output_of(again)
+    resumed = {Path(s["path"]).name: s for s in read_json(out / "summary.json")["skipped_images"]}
+    assert resumed == skipped
+    # In a log file (not a terminal), a progress line per --log-every: step, speed, loss, ETA.
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert steps and all(
+        re.match(r"step \d+/\d+ - [\d.]+ images/s - loss: [\d.]+ - accuracy: [\d.]+ - ETA \d", s) for s in steps
+    )
+    # Evaluate: every image, the last batch not a whole one (7 = 4 + 3).
+    report = tmp_path / "e.json"
+    proc = cli(["evaluate", "--model-dir", out, "--data", held_out, "--batch-size", "4", "--report", report])
+    assert proc.returncode == 0, output_of(proc)
+    result = read_json(report)
+    assert result["images"] == 7
+    assert sum(map(sum, result["confusion_matrix"])) == 7
+    assert set(result["per_class_accuracy"]) == set(result["classes"])
+    per_class = result["per_class_accuracy"]
     assert per_class["b"] is None and per_class["a"] is not None  # b has no held-out images
+    assert f"accuracy  {result['accuracy']:.4f}" in proc.stdout
+    with Image.open(tmp_path / "confusion.png") as im:  # drawn beside the report
+        assert im.format == "PNG"

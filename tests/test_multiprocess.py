@@ -3,9 +3,11 @@
 import csv
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -40,12 +42,45 @@ def rank_weights(dump, rank):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
+class GlooRun(NamedTuple):
+    data: Path
+    out: Path
+    dump: Path
+    proc: subprocess.CompletedProcess
+
+
+# The options of gloo_run beyond TINY and --val-split 0.2; a resume of it gives them again.
+GLOO_OPTIONS = [
+    # Nothing checked before training: the ranks meet the broken images of its data in their shares.
+    "--check-images",
+    "none",
+    # Rank 0 sweeps the rate, every rank trains with it.
+    "--base-lr",
+    "auto",
+    # Warmup over 3 epochs of a 2-epoch run: the rate rises by the same amount every epoch, so a
+    # resumed optimizer that lost its iteration count would start the ramp again.
+    "--lr-schedule",
+    "constant",
+    "--warmup-epochs",
+    "3",
+]
+
+
 @pytest.fixture(scope="module")
 def gloo_run(demo_small, tmp_path_factory):
+    """One 2-rank Gloo job of 2 epochs for the tests that read it: the same weights on every rank and
+    exact evaluation, images that cannot be decoded, --base-lr auto; evaluate and predict use its model
+    and the resume test continues a copy of it."""
     root = tmp_path_factory.mktemp("gloo")
-    proc = train_and_dump("horovodrun-gloo", demo_small, root / "run", root / "dump", "--epochs", "2")
+    data = root / "data"
+    shutil.copytree(demo_small, data)
+    whole = next((data / "dots").rglob("*.png"))
+    (data / "dots" / "truncated.png").write_bytes(whole.read_bytes()[:100])
+    (data / "checkerboard" / "empty.jpg").write_bytes(b"")
+    png_with_a_corrupt_middle(data / "checkerboard" / "middle.png")
+    proc = train_and_dump("horovodrun-gloo", data, root / "run", root / "dump", *GLOO_OPTIONS, "--epochs", "2")
     assert proc.returncode == 0, output_of(proc)
-    return root / "run", root / "dump", proc
+    return GlooRun(data, root / "run", root / "dump", proc)
 
 
 def check_identical_and_exact(out, dump, proc, global_batch=16):
@@ -55,6 +90,7 @@ def check_identical_and_exact(out, dump, proc, global_batch=16):
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch"] == global_batch
     # 23 images x 5 classes, 20% held out per class: 25 images, not a multiple of the global batch.
+    # (gloo_run's classes of 24 and 25 images hold out 5 too, and its broken images are all trained on.)
     assert summary["val_images"] == 25
     assert summary["weights_identical_across_ranks"] is True
     both = proc.stdout + proc.stderr
@@ -63,7 +99,15 @@ def check_identical_and_exact(out, dump, proc, global_batch=16):
 
 
 def test_horovodrun_gloo(gloo_run):
-    check_identical_and_exact(*gloo_run)
+    check_identical_and_exact(gloo_run.out, gloo_run.dump, gloo_run.proc)
+
+
+def test_base_lr_auto_is_found_once_and_shared(gloo_run):
+    both = gloo_run.proc.stdout + gloo_run.proc.stderr
+    assert both.count("the learning-rate range test runs on rank 0") == 1
+    summary = read_json(gloo_run.out / "summary.json")
+    found = read_json(gloo_run.out / "lr_find.json")["suggested_base_lr"]
+    assert summary["base_lr"] == found and summary["weights_identical_across_ranks"] is True
 
 
 @pytest.mark.parametrize(
@@ -80,7 +124,7 @@ def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
 
 
 def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):
-    out = gloo_run[0]
+    out = gloo_run.out
     two = launch(
         "horovodrun-gloo",
         2,
@@ -108,7 +152,7 @@ def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp
 
 
 def test_predict_under_horovodrun_keeps_input_order(gloo_run, demo_small, tmp_path):
-    out = gloo_run[0]
+    out = gloo_run.out
     target = tmp_path / "pred.csv"
     proc = launch(
         "horovodrun-gloo",
@@ -137,29 +181,28 @@ def metrics(out):
         return list(csv.DictReader(f))
 
 
-def test_resume_continues_at_the_right_epoch_and_learning_rate(demo_small, tmp_path):
-    # Warmup over all 3 epochs: the rate rises by the same amount every epoch, so a
-    # resumed optimizer that lost its iteration count would start the ramp again.
-    common = [*TINY, "--data", demo_small, "--lr-schedule", "constant", "--warmup-epochs", "3"]
-
-    def train(out, epochs):
-        proc = launch("horovodrun-gloo", 2, [*HVD_TRAIN, "train", *common, "--output", out, "--epochs", epochs])
-        assert proc.returncode == 0, output_of(proc)
-        return proc
-
-    resumed = tmp_path / "resumed"
-    train(resumed, 2)
-    second = train(resumed, 3)
+def test_resume_continues_at_the_right_epoch_and_learning_rate_and_keeps_the_base_lr_found(gloo_run, tmp_path):
+    # gloo_run stopped after 2 of the 3 epochs of its warmup (GLOO_OPTIONS); a copy goes on to the third.
+    resumed = shutil.copytree(gloo_run.out, tmp_path / "resumed")
+    found = read_json(resumed / "lr_find.json")["suggested_base_lr"]
+    first_lr = float(metrics(resumed)[0]["lr"])
+    common = [*TINY, "--data", gloo_run.data, "--val-split", "0.2", *GLOO_OPTIONS, "--output", resumed]
+    second = launch("horovodrun-gloo", 2, [*HVD_TRAIN, "train", *common, "--epochs", "3"])
+    assert second.returncode == 0, output_of(second)
     assert "resuming from" in second.stderr and "2 epoch(s) done" in second.stderr
     assert "Epoch 3/3" in second.stdout and "Epoch 1/3" not in second.stdout
+    # A resumed run keeps the rate its checkpoint was made with, rather than sweeping again.
+    assert re.search(r"--base-lr auto: \S+, as found by this run's range test", second.stderr), output_of(second)
+    assert read_json(resumed / "summary.json")["base_lr"] == found
     rows = metrics(resumed)
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     lrs = [float(r["lr"]) for r in rows]  # epochs 1-2 from the first run, 3 from the resumed one
+    assert lrs[0] == first_lr
     assert 0 < lrs[0] < lrs[1] < lrs[2]
     assert lrs[2] - lrs[1] == pytest.approx(lrs[1] - lrs[0], rel=1e-4)
     assert read_json(resumed / "summary.json")["weights_identical_across_ranks"] is True
     # Once more, as one process: every epoch is done.
-    third = cli(["train", *common, "--output", resumed, "--epochs", "3"])
+    third = cli(["train", *common, "--epochs", "3"])
     assert third.returncode == 0 and "all 3 epochs are done already" in third.stderr, output_of(third)
     assert [r["epoch"] for r in metrics(resumed)] == ["1", "2", "3"]
 
@@ -180,20 +223,10 @@ def test_bad_image_with_fail_policy_ends_every_rank(tmp_path, demo_small):
     assert len(errors) == 1 and "truncated.png" in errors[0], output_of(proc)
 
 
-def test_images_that_cannot_be_decoded_never_stop_a_rank(tmp_path, demo_small):
+def test_images_that_cannot_be_decoded_never_stop_a_rank(gloo_run):
     """With nothing checked before training, each rank meets broken images in its share; none fails or
     falls behind: they are trained on with no weight, not scored, and listed the same for all."""
-    data = tmp_path / "data"
-    shutil.copytree(demo_small, data)
-    whole = next((data / "dots").rglob("*.png"))
-    (data / "dots" / "truncated.png").write_bytes(whole.read_bytes()[:100])
-    (data / "checkerboard" / "empty.jpg").write_bytes(b"")
-    png_with_a_corrupt_middle(data / "checkerboard" / "middle.png")
-    out = tmp_path / "o"
-    program = [*HVD_TRAIN, "train", "--data", data, "--output", out, *TINY, "--epochs", "2", "--check-images", "none"]
-    proc = launch("horovodrun-gloo", 2, program, timeout=600)
-    assert proc.returncode == 0, output_of(proc)
-    summary = read_json(out / "summary.json")
+    summary = read_json(gloo_run.out / "summary.json")
     assert summary["weights_identical_across_ranks"] is True
     skipped = {Path(s["path"]).name: s["found"] for s in summary["skipped_images"]}
     assert set(skipped) == {"truncated.png", "empty.jpg", "middle.png"}
@@ -201,7 +234,7 @@ def test_images_that_cannot_be_decoded_never_stop_a_rank(tmp_path, demo_small):
     # Exact evaluation still: every held-out image is scored once, or listed.
     from hvd_train.data.folder import list_folder, split_per_class
 
-    _, val = split_per_class(list_folder(str(data)), 0.1, 42)  # the defaults: --val-split 0.1 --seed 42
+    _, val = split_per_class(list_folder(str(gloo_run.data)), 0.2, 42)  # --val-split 0.2, the default --seed 42
     in_val = {Path(p).name for p in val.paths} & set(skipped)
     assert {n for n, found in skipped.items() if found == "evaluation"} == in_val
     assert summary["val_images"] == len(val) - len(in_val)
