@@ -12,7 +12,8 @@
   once.
 * SIGKILL of a worker: the job ends within 10 s, no process is left, and the
   newest checkpoint is at most --checkpoint-every steps behind.
-* SIGKILL during a checkpoint write: the next run uses the previous checkpoint.
+* SIGKILL during a checkpoint write (of the single process's rerun): the next
+  run uses the previous checkpoint, and still ends bit-identical.
 """
 
 import json
@@ -113,20 +114,23 @@ def finish(proc, timeout=180):
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+def straight_run(proc, out, samples):
+    """The final weights and every rank's images of an uninterrupted run, to compare a resumed one with."""
+    assert proc.returncode == 0, output_of(proc)
+    return read_json(out / "summary.json")["weights_digest"], sample_lines(samples)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(demo_small, tmp_path_factory):
     root = tmp_path_factory.mktemp("straight")
     proc = run([*launcher_command("horovodrun-gloo", 2), *options(demo_small, root / "run", root / "samples")])
-    assert proc.returncode == 0, output_of(proc)
-    return read_json(root / "run" / "summary.json")["weights_digest"], sample_lines(root / "samples")
+    return straight_run(proc, root / "run", root / "samples")
 
 
-def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, rerun, launch_exit=None, ranks=2):
-    """The job stopped after one step on every rank with a checkpoint; the rerun ends bit-identical.
+def check_stopped(proc, stopped_at, launch_exit=None, ranks=2):
+    """The job stopped after one step on every rank, with one line each and a checkpoint.
 
-    ``rerun=None``: the checkpoint of the stop is the one a rerun resumes from, read in-process (for
-    stops that differ only in how the signal came: the rerun itself is the same as in the tests
-    that make it).
+    Returns the step and the checkpoint.
     """
     both = proc.stdout + proc.stderr
     if launch_exit is not None:
@@ -142,15 +146,27 @@ def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, reru
     assert "<stderr>:Traceback" not in both and "<stdout>:Traceback" not in both, output_of(proc)
     if "horovodrun" not in str(proc.args[0]):
         assert "Traceback" not in both, output_of(proc)
-    if rerun is None:
-        from hvd_train.training import checkpoints
+    return step, checkpoint
 
-        found = checkpoints.latest(str(out))
-        assert found is not None and Path(found.path) == Path(checkpoint)
-        assert (found.state.epoch, found.state.epoch_steps) == (stopped_at["epoch"], step)
-        return step
-    before = sample_lines(samples)
-    again = rerun()
+
+def check_a_rerun_resumes_from(out, checkpoint, stopped_at, step):
+    """The checkpoint of the stop is the one a rerun resumes from, read in-process.
+
+    For stops that differ only in how the signal came: the rerun itself is the same as in the tests
+    that make it.
+    """
+    from hvd_train.training import checkpoints
+
+    found = checkpoints.latest(str(out))
+    assert found is not None and Path(found.path) == Path(checkpoint)
+    assert (found.state.epoch, found.state.epoch_steps) == (stopped_at["epoch"], step)
+
+
+def check_the_rerun_is_bit_identical(again, out, samples, checkpoint, before, uninterrupted):
+    """The rerun resumed from the stop's checkpoint and ended bit-identical, on the same images in the same order.
+
+    ``before``: every rank's images up to the stop.
+    """
     assert again.returncode == 0, output_of(again)
     assert f"resuming from {checkpoint}" in again.stderr
     assert read_json(out / "summary.json")["weights_digest"] == uninterrupted[0], "not bit-identical"
@@ -159,16 +175,15 @@ def check_stopped_and_resume(proc, out, samples, stopped_at, uninterrupted, reru
     for rank, records in uninterrupted[1].items():
         assert len(before[rank]) < len(records)
         assert [r["ids"] for r in after[rank]] == [r["ids"] for r in records], f"rank {rank} saw other images"
-    return step
 
 
-def wait_for_a_save(proc, out, timeout=120):
+def wait_for_a_save(proc, out, timeout=120, poll=0.002):
     """Waits until rank 0 is writing a checkpoint (its temporary folder exists)."""
     deadline = time.time() + timeout
     while not list((out / "checkpoints").glob(".epoch-*.tmp-*")):
         assert proc.poll() is None, f"the job ended before saving\n{finish(proc)}"
         assert time.time() < deadline, f"no checkpoint being written after {timeout} s"
-        time.sleep(0.002)
+        time.sleep(poll)
 
 
 def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tmp_path, uninterrupted):
@@ -177,6 +192,8 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
     # while rank 0 writes the checkpoint of the stop. (SIGTERM to horovodrun alone reaches the ranks the
     # second way only: the same path on every rank.) Through `hvd-train launch`, horovodrun's runner
     # that reports each rank's own status (see check_every_rank_ended_stopped).
+    # Step 8 is in the second of 3 epochs (6 steps each): the rerun resumes inside an epoch after the
+    # first and goes on into another.
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command("hvd-train-launch", 2), *options(demo_small, out, samples)]
     proc = start(command)
@@ -189,23 +206,32 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
     assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
     assert "SIGTERM too: the stop is under way" in proc.stdout + proc.stderr, output_of(proc)
     check_every_rank_ended_stopped(proc)
-    check_stopped_and_resume(proc, out, samples, at, uninterrupted, lambda: run(command))
+    _, checkpoint = check_stopped(proc, at)
+    before = sample_lines(samples)
+    check_the_rerun_is_bit_identical(run(command), out, samples, checkpoint, before, uninterrupted)
 
 
-def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path, uninterrupted):
+# Where the tests that only stop a job (the signal's way to the ranks is what they check) send it:
+# step 3 of the first epoch's 6 is past the slow first steps, and leaves the stop (one or two steps
+# after the signal) inside that epoch, before its end's evaluation and checkpoint.
+EARLY = 3
+
+
+def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command("hvd-train-launch", 2), *options(demo_small, out, samples)]
     proc = start(command)
-    at = wait_for_steps(proc, samples, 10, rank=1)
+    at = wait_for_steps(proc, samples, EARLY, rank=1)
     subprocess.run(["kill", "-TERM", str(pid_of(samples, 1))], check=True)
     proc = finish(proc)
     assert "stopped by SIGTERM" in proc.stdout + proc.stderr  # rank 1's own line
     assert "stopped by a signal to another rank" in proc.stdout + proc.stderr  # rank 0's
     check_every_rank_ended_stopped(proc)
-    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None, launch_exit=EXIT_PREEMPTED)
+    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, at, step)
 
 
-def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_path, uninterrupted):
+def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_path):
     # Ctrl-C in a terminal, kill -- -PGID: the script's whole group. mpirun runs in a group of its
     # own, so only the script's SIGUSR1 reaches it (it would kill the ranks 2 s after a SIGTERM), and
     # passes it on to every rank at once; the script returns their 75.
@@ -214,15 +240,16 @@ def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_pa
     command = ["bash", REPO / "launch/mpirun.sh", "--np", "2", "--mpirun-arg", "--oversubscribe", "--", *program]
     env = {"HVD_TRAIN": str(BIN / "hvd-train")}
     proc = start(command, **env)
-    at = wait_for_steps(proc, samples, 8)
+    at = wait_for_steps(proc, samples, EARLY)
     os.killpg(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert "stopped by SIGUSR1" in proc.stdout + proc.stderr, output_of(proc)
-    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None, launch_exit=EXIT_PREEMPTED)
+    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, at, step)
 
 
 @pytest.mark.parametrize("how", ["process group", "launcher alone"])
-def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how, demo_small, tmp_path, uninterrupted):
+def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how, demo_small, tmp_path):
     # Plain horovodrun may report 137/143 for a rank that exited 75 (and then print its traceback);
     # the script runs it as `hvd-train launch`, which ends with their 75 alone. The script execs the launcher, so the
     # group is the launcher's (the ranks sit in a session of their own): both reach the ranks
@@ -231,38 +258,67 @@ def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how,
     program = options(demo_small, out, samples)[3:]
     command = ["bash", REPO / "launch/horovodrun.sh", "--np", "2", "--", *program]
     proc = start(command, HVD_TRAIN=str(BIN / "hvd-train"), PATH=f"{BIN}:{os.environ['PATH']}")
-    at = wait_for_steps(proc, samples, 8)
+    at = wait_for_steps(proc, samples, EARLY)
     if how == "process group":
         os.killpg(proc.pid, signal.SIGTERM)
     else:
         os.kill(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert "+ hvd-train launch -np 2 --gloo" in proc.stderr, output_of(proc)
-    check_stopped_and_resume(proc, out, samples, at, uninterrupted, rerun=None, launch_exit=EXIT_PREEMPTED)
+    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, at, step)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_single(demo_small, tmp_path_factory):
-    root = tmp_path_factory.mktemp("straight-single")
-    proc = run(options(demo_small, root / "run", root / "samples"))
-    assert proc.returncode == 0, output_of(proc)
-    return read_json(root / "run" / "summary.json")["weights_digest"], sample_lines(root / "samples")
-
-
-def test_one_process_stops_once_on_a_repeated_sigterm_and_the_rerun_is_bit_identical(
-    demo_small, tmp_path, uninterrupted_single
+def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_falls_back_and_it_ends_bit_identical(
+    demo_small, tmp_path
 ):
-    out, samples = tmp_path / "run", tmp_path / "samples"
-    command = options(demo_small, out, samples)
-    proc = start(command)
-    at = wait_for_steps(proc, samples, 8)
-    os.killpg(proc.pid, signal.SIGTERM)
-    wait_for_a_save(proc, out)
-    os.killpg(proc.pid, signal.SIGTERM)  # the same stop, delivered again while its checkpoint is written
-    proc = finish(proc)
-    assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
-    assert "SIGTERM too: the stop is under way" in proc.stderr, output_of(proc)
-    check_stopped_and_resume(proc, out, samples, at, uninterrupted_single, lambda: run(command), ranks=1)
+    # Two epochs of 12 steps: the stop (step 8) is in the first, the reruns go on into the second.
+    # The uninterrupted run to compare with trains meanwhile: one process each, both cores work.
+    two = ("--epochs", "2")
+    straight_out, straight_samples = tmp_path / "straight", tmp_path / "straight-samples"
+    straight = start(options(demo_small, straight_out, straight_samples, *two))
+    try:
+        out, samples = tmp_path / "run", tmp_path / "samples"
+        command = options(demo_small, out, samples, *two)
+        proc = start(command)
+        at = wait_for_steps(proc, samples, 8)
+        os.killpg(proc.pid, signal.SIGTERM)
+        wait_for_a_save(proc, out)
+        os.killpg(proc.pid, signal.SIGTERM)  # the same stop, delivered again while its checkpoint is written
+        proc = finish(proc)
+        assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
+        assert "SIGTERM too: the stop is under way" in proc.stderr, output_of(proc)
+        _, checkpoint = check_stopped(proc, at, ranks=1)
+        before = sample_lines(samples)
+
+        # The rerun is killed while it writes its next checkpoint (the end of the epoch): the one after
+        # it uses the previous one, the stop's, and ends as if nothing had happened.
+        folder = out / "checkpoints"
+        killed = start(command)
+        try:
+            wait_for_a_save(killed, out, poll=0.0005)
+            killed.send_signal(signal.SIGKILL)
+            _, stderr = killed.communicate()
+        finally:
+            kill_group(killed)
+        assert f"resuming from {checkpoint}" in stderr, stderr[-5000:]
+        partial = list(folder.glob(".epoch-*.tmp-*"))
+        assert partial, "the kill should have left a partial checkpoint"
+        complete = sorted(p.name for p in folder.glob("epoch-*"))
+        # The steps the killed run made, the next rerun makes again: set apart, to compare.
+        killed_log = samples / f"rank-0-{killed.pid}.jsonl"
+        redone = [json.loads(line)["ids"] for line in killed_log.read_text().splitlines()]
+        killed_log.rename(tmp_path / "killed.jsonl")
+        again = run(command)
+        assert again.returncode == 0, output_of(again)
+        assert f"resuming from {folder / complete[-1]}" in again.stderr, output_of(again)
+        assert not any(p.exists() for p in partial), "the partial checkpoint is cleaned up"
+        uninterrupted = straight_run(finish(straight), straight_out, straight_samples)
+    finally:
+        kill_group(straight)
+    check_the_rerun_is_bit_identical(again, out, samples, checkpoint, before, uninterrupted)
+    rerun_ids = [r["ids"] for r in sample_lines(samples)[0][len(before[0]) :]]
+    assert redone and rerun_ids[: len(redone)] == redone, "the killed run's steps are not the rerun's"
 
 
 def test_a_third_stop_signal_ends_the_process_at_once(demo_small, tmp_path):
@@ -301,7 +357,9 @@ def test_a_stop_signal_while_a_rank_starts_up_is_the_first_steps_stop(demo_small
     assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
     assert "stopped by SIGUSR1" in proc.stderr, output_of(proc)
     assert len(sample_lines(samples)[0]) == 1, "one step, then the stop"
-    check_stopped_and_resume(proc, out, samples, {"epoch": 0, "step": 1}, None, rerun=None, ranks=1)
+    at = {"epoch": 0, "step": 1}
+    step, checkpoint = check_stopped(proc, at, ranks=1)
+    check_a_rerun_resumes_from(out, checkpoint, at, step)
 
 
 def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_small, tmp_path):
@@ -314,7 +372,7 @@ def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_smal
     # Epochs enough that training is not over before the stop reaches the ranks.
     command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples, "--epochs", "12")]
     proc = start(command, OMPI_MCA_odls_base_sigkill_timeout="5")
-    wait_for_steps(proc, samples, 8)
+    wait_for_steps(proc, samples, EARLY)
     os.killpg(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert proc.returncode != 0
@@ -338,7 +396,9 @@ def test_sigkill_of_a_worker_ends_the_job_fast_with_a_recent_checkpoint(launcher
     command = [*launcher_command(launcher, 2), *options(demo_small, out, samples, "--checkpoint-every", "4")]
     command.remove("--deterministic")
     proc = start(command)
-    killed = wait_for_steps(proc, samples, 11, rank=1)
+    # Step 5 of the first epoch: the --checkpoint-every checkpoint of step 4 is complete (rank 1 gets
+    # its path from rank 0 before its step 5), and without --checkpoint-every there would be none.
+    killed = wait_for_steps(proc, samples, 5, rank=1)
     subprocess.run(["kill", "-KILL", str(pid_of(samples, 1))], check=True)
     t0 = time.time()
     proc = finish(proc, timeout=60)
@@ -347,7 +407,7 @@ def test_sigkill_of_a_worker_ends_the_job_fast_with_a_recent_checkpoint(launcher
     assert seconds < 10, f"the job took {seconds:.1f} s to end after a worker was killed"
     time.sleep(0.5)
     assert processes_of(out) == [], "processes of the job are left"
-    # What a rerun would resume from (a rerun after a kill runs in the checkpoint-write test below).
+    # What a rerun would resume from (a rerun after a kill runs in the single-process test above).
     from hvd_train.training import checkpoints
 
     found = checkpoints.latest(str(out))
@@ -355,37 +415,3 @@ def test_sigkill_of_a_worker_ends_the_job_fast_with_a_recent_checkpoint(launcher
     # The killed rank had run `killed["step"]` steps of epoch `killed["epoch"]`; 6 steps an epoch.
     killed_at = killed["epoch"] * 6 + killed["step"]
     assert killed_at - found.state.step <= 4, f"lost {killed_at - found.state.step} steps"
-
-
-def test_a_kill_during_a_checkpoint_write_falls_back_to_the_previous_one(demo_small, tmp_path):
-    out, samples = tmp_path / "run", tmp_path / "samples"
-    command = options(demo_small, out, samples, "--checkpoint-every", "3", "--keep-checkpoints", "5")
-    command.remove("--deterministic")
-    proc = start(command)
-    folder = out / "checkpoints"
-    deadline = time.time() + 300
-    try:
-        # Wait for a complete checkpoint, then kill the process while it writes the next one.
-        while not any(p.name.startswith("epoch-") for p in folder.glob("*")):
-            assert proc.poll() is None and time.time() < deadline, output_of_popen(proc)
-            time.sleep(0.01)
-        while not list(folder.glob(".epoch-*.tmp-*")):
-            assert proc.poll() is None and time.time() < deadline, output_of_popen(proc)
-            time.sleep(0.0005)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
-        kill_group(proc)
-    partial = list(folder.glob(".epoch-*.tmp-*"))
-    assert partial, "the kill should have left a partial checkpoint"
-    complete = sorted(p.name for p in folder.glob("epoch-*"))
-    again = run(command)
-    assert again.returncode == 0, output_of(again)
-    assert f"resuming from {folder / complete[-1]}" in again.stderr, output_of(again)
-    assert not any(p.exists() for p in partial), "the partial checkpoint is cleaned up"
-
-
-def output_of_popen(proc):
-    kill_group(proc)
-    stdout, stderr = proc.communicate()
-    return f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"

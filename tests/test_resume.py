@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from conftest import TINY, cli, kill_group, output_of, small_file_system, start
+from conftest import HVD_TRAIN, TINY, cli, kill_group, output_of, small_file_system, start
 
 RUN = [*TINY, "--val-split", "0.2", "--deterministic"]
 
@@ -23,28 +23,65 @@ def copy_tree(src, dst):
     return dst
 
 
+def cli_at_once(*commands, timeout=600):
+    """``cli`` of commands that do not depend on each other, all started at once.
+
+    One process each: a single process keeps one core busy, so two of them take the time of one.
+    """
+    procs = [start([*HVD_TRAIN, *args]) for args in commands]
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    except BaseException:
+        for proc in procs:
+            kill_group(proc)
+        raise
+    return done
+
+
 DESCRIBE = ("model.keras", "labels.json", "run_config.yaml", "summary.json")
 
 
-def test_a_failed_rerun_leaves_the_model_and_what_describes_it_and_inference_checks_they_agree(demo_small, tmp_path):
-    out = tmp_path / "run"
-    first = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1"])
+@pytest.fixture(scope="module")
+def trained(demo_small, tmp_path_factory):
+    """A first run of one epoch (its images, the run, and its Latin-1 names relative to the images).
+
+    The tests below change what they are given: each takes a copy of the run (and of the images,
+    where it changes them), not a run of its own.
+    """
+    root = tmp_path_factory.mktemp("trained")
+    data = copy_tree(demo_small, root / "data")
+    # Names that are not UTF-8 (Latin-1, as an older tool writes them), in training and held
+    # out alike: they train, are checkpointed (the list's digest), resume and evaluate as any other.
+    latin1 = []
+    for folder in sorted(data.iterdir()):
+        for image in sorted(folder.glob("*.png"))[-4:]:
+            name = b"caf\xe9-" + os.fsencode(image.name)
+            os.rename(image, os.fsencode(folder) + b"/" + name)
+            latin1.append(os.fsencode(folder.name) + b"/" + name)
+    out = root / "run"
+    first = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "1"])
     assert first.returncode == 0, output_of(first)
+    return data, out, latin1
+
+
+def test_a_failed_rerun_leaves_the_model_and_what_describes_it_and_inference_checks_they_agree(
+    demo_small, trained, tmp_path
+):
+    data, first, _ = trained
+    out = copy_tree(first, tmp_path / "run")
     assert (out / "checkpoints" / "epoch-0001").is_dir()
     before = {name: (out / name).read_bytes() for name in DESCRIBE}
+    # Two failed reruns in the run's folder, and inference on two copies of it whose files disagree
+    # (below): four processes that change nothing another one reads, started at once.
     # A mistyped --data with another backbone, crop and --no-resume: the run never starts; the
     # checkpoints stay, and so does every file that describes the model (not the new labels and crop).
     other = ["--model", "ResNet50", "--crop-fraction", "0.5", "--alpha-background", "black"]
-    typo = cli(["train", "--data", tmp_path / "dmeo", "--output", out, *RUN, *other, "--no-resume"])
-    assert typo.returncode == 2 and "does not exist" in typo.stderr, output_of(typo)
-    assert (out / "checkpoints" / "epoch-0001").is_dir()
-    assert {name: (out / name).read_bytes() for name in DESCRIBE} == before
+    typo_command = ["train", "--data", tmp_path / "dmeo", "--output", out, *RUN, *other, "--no-resume"]
     # A resume refused for another seed leaves them too.
-    refused = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "2", "--seed", "7"])
-    assert refused.returncode == 2, output_of(refused)
-    [error] = [line for line in refused.stderr.splitlines() if "error:" in line]
-    assert "--seed 42 then, 7 now" in error and "Give --seed 42 --grad-accum 1 to resume" in error, error
-    assert {name: (out / name).read_bytes() for name in DESCRIBE} == before
+    refused_command = ["train", "--data", data, "--output", out, *RUN, "--epochs", "2", "--seed", "7"]
 
     # Labels of another run beside the model: one class fewer than its outputs (as an older
     # hvd_train left after a failed rerun, with no digests in summary.json) ...
@@ -53,54 +90,62 @@ def test_a_failed_rerun_leaves_the_model_and_what_describes_it_and_inference_che
     summary = json.loads(before["summary.json"])
     assert set(summary["model_files"]) == {"model.keras", "labels.json", "run_config.yaml"}
     del summary["model_files"]
-    (out / "summary.json").write_text(json.dumps(summary))
-    (out / "labels.json").write_text(json.dumps(labels[:-1]))
-    proc = cli(["predict", "--model-dir", out, image])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, output_of(proc)
-    assert f"names {len(labels) - 1} classes but {out / 'model.keras'} has {len(labels)} outputs" in proc.stderr
+    fewer = copy_tree(first, tmp_path / "fewer-labels")
+    (fewer / "summary.json").write_text(json.dumps(summary))
+    (fewer / "labels.json").write_text(json.dumps(labels[:-1]))
     # ... or as many classes in another order, and another crop: summary.json's digests tell.
-    (out / "summary.json").write_bytes(before["summary.json"])
-    (out / "labels.json").write_text(json.dumps(labels[::-1]))
+    reordered = copy_tree(first, tmp_path / "reordered")
+    (reordered / "labels.json").write_text(json.dumps(labels[::-1]))
     config = before["run_config.yaml"].decode()
     assert "crop_fraction: 0.875" in config
-    (out / "run_config.yaml").write_text(config.replace("crop_fraction: 0.875", "crop_fraction: 0.5"))
-    proc = cli(["export", out, "--format", "tflite"])  # as predict and evaluate: one loader
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, output_of(proc)
-    [error] = [line for line in proc.stderr.splitlines() if "error:" in line]
+    (reordered / "run_config.yaml").write_text(config.replace("crop_fraction: 0.875", "crop_fraction: 0.5"))
+    export_command = ["export", reordered, "--format", "tflite"]  # as predict and evaluate: one loader
+
+    typo, refused, predicted, exported = cli_at_once(
+        typo_command, refused_command, ["predict", "--model-dir", fewer, image], export_command
+    )
+    assert typo.returncode == 2 and "does not exist" in typo.stderr, output_of(typo)
+    assert refused.returncode == 2, output_of(refused)
+    [error] = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert "--seed 42 then, 7 now" in error and "Give --seed 42 --grad-accum 1 to resume" in error, error
+    assert (out / "checkpoints" / "epoch-0001").is_dir()
+    assert {name: (out / name).read_bytes() for name in DESCRIBE} == before
+    assert predicted.returncode == 2 and "Traceback" not in predicted.stderr, output_of(predicted)
+    assert f"names {len(labels) - 1} classes but {fewer / 'model.keras'} has {len(labels)} outputs" in (
+        predicted.stderr
+    )
+    assert exported.returncode == 2 and "Traceback" not in exported.stderr, output_of(exported)
+    [error] = [line for line in exported.stderr.splitlines() if "error:" in line]
     assert "labels.json and run_config.yaml in" in error and "not what its run wrote" in error, error
-    assert not (out / "export").exists()
+    assert not (reordered / "export").exists()
 
     # The same command with the right folder: the checkpoints go when training starts, and the
     # log says so; the new model comes with its own labels and configuration.
-    again = cli(["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "1", "--no-resume"])
+    again = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "1", "--no-resume"])
     assert again.returncode == 0, output_of(again)
     assert "--no-resume: removed 1 checkpoint(s) of an earlier run" in again.stderr
     assert "resuming from" not in again.stderr
     assert json.loads((out / "labels.json").read_text()) == labels
     written, first_config = (yaml.safe_load(t) for t in ((out / "run_config.yaml").read_text(), config))
-    assert written == {**first_config, "run": {**first_config["run"], "resume": False}}
+    # (The first run wrote its configuration in the folder this one is a copy of.)
+    assert written == {**first_config, "run": {**first_config["run"], "resume": False, "output": str(out)}}
 
 
-def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_over(demo_small, tmp_path):
-    data = copy_tree(demo_small, tmp_path / "data")
-    # Names that are not UTF-8 (Latin-1, as an older tool writes them), in training and held
-    # out alike: they train, are checkpointed (the list's digest), resume and evaluate as any other.
-    latin1 = []
-    for folder in sorted(data.iterdir()):
-        for image in sorted(folder.glob("*.png"))[-4:]:
-            os.rename(image, os.fsencode(folder) + b"/caf\xe9-" + os.fsencode(image.name))
-            latin1.append(os.fsdecode(os.fsencode(folder) + b"/caf\xe9-" + os.fsencode(image.name)))
-    out = tmp_path / "run"
-    first = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "1"])
-    assert first.returncode == 0, output_of(first)
+def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_over(trained, tmp_path):
+    data = copy_tree(trained[0], tmp_path / "data")
+    out = copy_tree(trained[1], tmp_path / "run")
+    latin1 = [os.fsdecode(os.fsencode(data) + b"/" + name) for name in trained[2]]
     assert json.loads((out / "summary.json").read_text())["skipped_images"] == []
-    predicted = cli(["predict", "--model-dir", out, latin1[0], "--output", tmp_path / "p.csv"])
-    assert predicted.returncode == 0, output_of(predicted)
-    assert os.fsencode(latin1[0]) in (tmp_path / "p.csv").read_bytes(), "the name as the file system has it"
-    # One image renamed: the count is the same, the list is not.
+    # One image renamed: the count is the same, the list is not. (Inference on an image of the
+    # first run, by its Latin-1 name, reads nothing the renaming changes: both run at once.)
     victim = sorted((data / "dots").glob("shape-*.png"))[0]
     victim.rename(victim.with_name("zz-" + victim.name))
-    refused = cli(["train", "--data", data, "--output", out, *RUN, "--epochs", "2"])
+    predicted, refused = cli_at_once(
+        ["predict", "--model-dir", out, latin1[0], "--output", tmp_path / "p.csv"],
+        ["train", "--data", data, "--output", out, *RUN, "--epochs", "2"],
+    )
+    assert predicted.returncode == 0, output_of(predicted)
+    assert os.fsencode(latin1[0]) in (tmp_path / "p.csv").read_bytes(), "the name as the file system has it"
     assert refused.returncode == 2, output_of(refused)
     [error] = [line for line in refused.stderr.splitlines() if "error:" in line]
     assert "the images differ from those checkpoint" in error and "--allow-data-change" in error
@@ -137,8 +182,6 @@ def fill(folder):
 def test_a_disk_that_fills_up_during_an_epoch_is_one_clear_line_and_the_rerun_continues(demo_small, small_disk):
     out = small_disk / "run"
     command = ["train", "--data", demo_small, "--output", out, *RUN, "--epochs", "2", "--keep-checkpoints", "1"]
-    from conftest import HVD_TRAIN
-
     proc = start([*HVD_TRAIN, *command])
     try:
         deadline = time.time() + 300
