@@ -28,6 +28,10 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "launch" / "slurm.sbatch"
 DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
 EXIT_PREEMPTED = 75
+# The uninterrupted job and the one stopped twice, which must end with its weights: 2 epochs of 6
+# steps. The first stop is asked for after step 4, the second 3 steps into the requeued job; each
+# comes within a step (after steps 5 and 8 in past runs), which leaves steps to train after both.
+COMPARED_EPOCHS = 2
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def uninterrupted(cluster, demo_small, tmp_path_factory):
     dump = folder / "dump"
     dump.mkdir()
     out = folder / "run"
-    program = [DUMP, dump, *train_args(demo_small, out, folder / "samples")]
+    program = [DUMP, dump, *train_args(demo_small, out, folder / "samples", epochs=COMPARED_EPOCHS)]
     proc = finish(submit(cluster, folder, program, HVD_TRAIN=sys.executable, EXPECTED_SIZE="2"), cluster, folder)
     log = log_of(folder)
     assert proc.returncode == 0, f"{output_of(proc)}\n{log}"
@@ -129,8 +133,9 @@ def test_stops_from_slurm_checkpoint_and_the_requeued_job_ends_bit_identical(
     # the script requeues it (HVD_TRAIN_REQUEUE=1). Once it trains again, scontrol requeue (an
     # admin, a preemption in REQUEUE mode) signals the job and requeues it itself.
     out, samples = tmp_path / "run", tmp_path / "samples"
-    proc = submit(cluster, tmp_path, ["train", *train_args(demo_small, out, samples)], HVD_TRAIN_REQUEUE="1")
-    wait_for_steps(proc, samples, 5, tmp_path)
+    program = ["train", *train_args(demo_small, out, samples, epochs=COMPARED_EPOCHS)]
+    proc = submit(cluster, tmp_path, program, HVD_TRAIN_REQUEUE="1")
+    wait_for_steps(proc, samples, 4, tmp_path)
     job = proc_job_id(cluster)
     cluster.run("scancel", "--signal=TERM", job)
     cluster.wait_for("the requeued job", lambda: "(restart 1)" in log_of(tmp_path), timeout=120)
@@ -183,7 +188,7 @@ def test_a_rank_killed_without_mpi_abort_ends_the_job(cluster, demo_small, tmp_p
     # seconds after the first task ended (--wait), and says which one it was.
     out, samples = tmp_path / "run", tmp_path / "samples"
     program = ["train", *train_args(demo_small, out, samples, epochs=100)]
-    proc = submit(cluster, tmp_path, program, HVD_TRAIN_SRUN_WAIT="10")
+    proc = submit(cluster, tmp_path, program, HVD_TRAIN_SRUN_WAIT="3")
     wait_for_steps(proc, samples, 5, tmp_path, rank=1)
     [victim] = Path(samples).glob("rank-1-*.jsonl")
     os.kill(int(victim.stem.split("-")[2]), 9)
@@ -191,7 +196,7 @@ def test_a_rank_killed_without_mpi_abort_ends_the_job(cluster, demo_small, tmp_p
     log = log_of(tmp_path)
     assert proc.returncode != 0, f"{output_of(proc)}\n{log}"
     assert re.search(r"srun: error: n2: task 1: Killed", log), log
-    assert "--wait=10" in log, log
+    assert "--wait=3" in log, log
 
 
 def proc_job_id(cluster):
@@ -245,7 +250,8 @@ def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster
     # node of the allocation (launch/discover-slurm.sh) as a step of the job (launch/srun-ssh).
     # Both nodes are this machine here, so the workers meet over loopback.
     out, samples = tmp_path / "run", tmp_path / "samples"
-    program = ["train", "--elastic", "--commit-every", "2", *train_args(demo_small, out, samples, epochs=6)]
+    # Three epochs: the drain is seen within seconds, in the first; the rest runs on one worker.
+    program = ["train", "--elastic", "--commit-every", "2", *train_args(demo_small, out, samples, epochs=3)]
     proc = submit(cluster, tmp_path, program, HVD_TRAIN_LAUNCH_ARGS="--network-interface lo --elastic-timeout 60")
     wait_for_steps(proc, samples, 3, tmp_path, rank=1)  # both workers train (the one started second too)
     workers = cluster.run("squeue", "-h", "-s", "-o", "%i %N").stdout.split("\n")
