@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,16 @@ def run(args: list, timeout: float = 600, **env: str) -> subprocess.CompletedPro
         stdout, stderr = proc.communicate()
         pytest.fail(f"timed out after {timeout}s (hung?): {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run_at_once(*commands: list, timeout: float = 600, **env: str) -> list[subprocess.CompletedProcess]:
+    """``run`` of commands that do not depend on each other, all started at once; their results in order.
+
+    For processes of one rank (one core each, most of it starting TensorFlow): two of them take
+    the time of one. Each is killed, and the test fails, as ``run`` does when it times out.
+    """
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run(args, timeout=timeout, **env), commands))
 
 
 def start(args: list, **env: str) -> subprocess.Popen:

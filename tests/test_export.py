@@ -13,7 +13,6 @@ import shutil
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from conftest import (
     png_with_a_corrupt_middle,
     read_json,
     run,
+    run_at_once,
     start,
     write_images,
 )
@@ -76,12 +76,6 @@ def export(run_dir, *extra):
     return cli(["export", run_dir, *extra])
 
 
-def side_by_side(*commands):
-    """Independent commands run at once (each spends most of its time starting TensorFlow, on one core)."""
-    with ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(run, commands))
-
-
 @pytest.fixture(scope="module")
 def exported(mobilenet_run, tmp_path_factory):
     """The run exported in every format with --check: its test reads it, the stopped export replaces a copy."""
@@ -119,7 +113,7 @@ def test_every_format_answers_as_predict_does(mobilenet_run, exported, colours, 
     # The SavedModel on its own, as a server loads it: no hvd_train, encoded files in (PNG, JPEG,
     # BMP, an RGBA PNG with a transparent corner), class names out, the answers of `hvd-train predict`.
     images = _client_images(colours, tmp_path / "client")
-    predicted, done = side_by_side(
+    predicted, done = run_at_once(
         [*HVD_TRAIN, "predict", "--model-dir", mobilenet_run, *images, "--output", tmp_path / "p.csv"],
         [sys.executable, "-c", SERVE, folder / "saved_model" / "1", *images],
     )
@@ -260,7 +254,7 @@ def test_bad_input_is_one_clear_line_and_leaves_no_export(mobilenet_run, tmp_pat
     theirs.mkdir()
     (theirs / "notes.txt").write_text("keep me")
     # Each of these stops at its own first error, after TensorFlow has loaded: they run at once.
-    no_run, no_calibration, not_theirs = side_by_side(
+    no_run, no_calibration, not_theirs = run_at_once(
         [*HVD_TRAIN, "export", empty],
         [*HVD_TRAIN, "export", mobilenet_run, "--output", folder, "--format", "tflite", "--quantize", "int8",
          "--calibration-data", empty],

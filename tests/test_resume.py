@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from conftest import HVD_TRAIN, TINY, cli, kill_group, output_of, small_file_system, start
+from conftest import HVD_TRAIN, TINY, cli, kill_group, output_of, run_at_once, small_file_system, start
 
 RUN = [*TINY, "--val-split", "0.2", "--deterministic"]
 
@@ -21,24 +21,6 @@ RUN = [*TINY, "--val-split", "0.2", "--deterministic"]
 def copy_tree(src, dst):
     shutil.copytree(src, dst)
     return dst
-
-
-def cli_at_once(*commands, timeout=600):
-    """``cli`` of commands that do not depend on each other, all started at once.
-
-    One process each: a single process keeps one core busy, so two of them take the time of one.
-    """
-    procs = [start([*HVD_TRAIN, *args]) for args in commands]
-    done = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    except BaseException:
-        for proc in procs:
-            kill_group(proc)
-        raise
-    return done
 
 
 DESCRIBE = ("model.keras", "labels.json", "run_config.yaml", "summary.json")
@@ -100,9 +82,10 @@ def test_a_failed_rerun_leaves_the_model_and_what_describes_it_and_inference_che
     assert "crop_fraction: 0.875" in config
     (reordered / "run_config.yaml").write_text(config.replace("crop_fraction: 0.875", "crop_fraction: 0.5"))
     export_command = ["export", reordered, "--format", "tflite"]  # as predict and evaluate: one loader
+    predict_command = ["predict", "--model-dir", fewer, image]
 
-    typo, refused, predicted, exported = cli_at_once(
-        typo_command, refused_command, ["predict", "--model-dir", fewer, image], export_command
+    typo, refused, predicted, exported = run_at_once(
+        *([*HVD_TRAIN, *args] for args in (typo_command, refused_command, predict_command, export_command))
     )
     assert typo.returncode == 2 and "does not exist" in typo.stderr, output_of(typo)
     assert refused.returncode == 2, output_of(refused)
@@ -140,9 +123,9 @@ def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_ove
     # first run, by its Latin-1 name, reads nothing the renaming changes: both run at once.)
     victim = sorted((data / "dots").glob("shape-*.png"))[0]
     victim.rename(victim.with_name("zz-" + victim.name))
-    predicted, refused = cli_at_once(
-        ["predict", "--model-dir", out, latin1[0], "--output", tmp_path / "p.csv"],
-        ["train", "--data", data, "--output", out, *RUN, "--epochs", "2"],
+    predicted, refused = run_at_once(
+        [*HVD_TRAIN, "predict", "--model-dir", out, latin1[0], "--output", tmp_path / "p.csv"],
+        [*HVD_TRAIN, "train", "--data", data, "--output", out, *RUN, "--epochs", "2"],
     )
     assert predicted.returncode == 0, output_of(predicted)
     assert os.fsencode(latin1[0]) in (tmp_path / "p.csv").read_bytes(), "the name as the file system has it"

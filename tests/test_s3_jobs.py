@@ -4,7 +4,6 @@ import shutil
 import subprocess
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +19,7 @@ from conftest import (
     output_of,
     read_json,
     run,
+    run_at_once,
     start,
 )
 from s3proxy import CuttingProxy
@@ -66,37 +66,20 @@ def textures(tmp_path_factory) -> Path:
     return root
 
 
-def run_together(*jobs, timeout=600):
-    """Runs ``(args, env)`` jobs at the same time; returns each one's CompletedProcess, in order.
-
-    For processes of one rank (one TensorFlow thread each, --threads-per-rank 1): two of them
-    share the machine's two cores instead of waiting for each other.
-    """
-    procs = [start(args, **env) for args, env in jobs]
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            outputs = list(pool.map(lambda proc: proc.communicate(timeout=timeout), procs))
-    except BaseException:
-        for proc in procs:
-            kill_group(proc)
-        raise
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
-
-
 @pytest.fixture(scope="module")
 def bucket(s3_server, textures):
     """The textures in S3 as folders (``folder/``), and as shards packed by the CLI from there (``shards/``)."""
     name = f"jobs-{uuid.uuid4().hex[:10]}"
     s3_server.client().create_bucket(Bucket=name)
-    packs = []
+    packs = []  # all four at once, with the server's credentials (the local ones read no S3)
     for part in ("train", "val"):
         s3_server.upload_folder(textures / part, name, f"folder/{part}/")
         # Packed from the S3 folder into S3 shards, as a user would.
         s3 = [*HVD_TRAIN, "pack", f"s3://{name}/folder/{part}/", f"s3://{name}/shards/{part}/", "--shard-size", "64KB"]
-        packs.append((s3, s3_server.env))
+        packs.append(s3)
         # ... and from the local folder into local shards: the same listing, so the same shards.
-        packs.append(([*HVD_TRAIN, "pack", textures / part, textures / "shards" / part, "--shard-size", "64KB"], {}))
-    for proc in run_together(*packs):
+        packs.append([*HVD_TRAIN, "pack", textures / part, textures / "shards" / part, "--shard-size", "64KB"])
+    for proc in run_at_once(*packs, **s3_server.env):
         assert proc.returncode == 0, output_of(proc)
     return name
 
@@ -131,9 +114,10 @@ def runs(textures, bucket, s3_server, tmp_path_factory):
         program = [*HVD_TRAIN, "train", "--data", data, "--val-data", val, "--output", out, *OPTIONS, *extra]
         jobs[kind] = ([*launcher_command("horovodrun-gloo", ranks), *program] if ranks > 1 else program, env)
     try:
-        # The two runs of one process at the same time (the local one reads nothing through the
-        # proxy), then the two of two ranks one after the other.
-        procs = dict(zip(("local folder", "s3 folder"), run_together(jobs["local folder"], jobs["s3 folder"])))
+        # The two runs of one process at the same time, with the proxy's credentials (the local one
+        # reads nothing through it), then the two of two ranks one after the other.
+        folders = (jobs["local folder"][0], jobs["s3 folder"][0])
+        procs = dict(zip(("local folder", "s3 folder"), run_at_once(*folders, **flaky)))
         for kind in ("local shards", "s3 shards"):
             command, env = jobs[kind]
             procs[kind] = run(command, **env)
