@@ -266,7 +266,9 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) ->
         return path, tf.shape(image)
 
     names = tf.constant([storage.os_bytes(p) for p in paths], tf.string)
-    ds = tf.data.Dataset.from_tensor_slices(names).map(probe, num_parallel_calls=tf.data.AUTOTUNE)
+    ds = tf.data.Dataset.from_tensor_slices(names).map(
+        tf.autograph.experimental.do_not_convert(probe), num_parallel_calls=tf.data.AUTOTUNE
+    )
     ds = ds.ignore_errors()
     if threads:
         options = tf.data.Options()
@@ -363,7 +365,9 @@ def sort_out(stream: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes, 
         gen, output_signature=(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
     )
     # A decode error drops the element; the gap in the indices says which.
-    ds = ds.map(probe, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
+    ds = ds.map(
+        tf.autograph.experimental.do_not_convert(probe), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+    ).ignore_errors()
     for i, shape in ds.prefetch(16).as_numpy_iterator():
         if failed:
             raise failed[0]

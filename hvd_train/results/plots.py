@@ -8,6 +8,7 @@ picture is written to a temporary file and renamed into place: a reader
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -32,6 +33,13 @@ def draw(path: str, plot: Callable[[], None]) -> bool:
     except Exception as e:  # matplotlib raises many types (fonts, memory, disk)
         log.warning("could not draw %s: %s", path, e)
         return False
+
+
+def warm_up() -> None:
+    """Imports matplotlib and renders a line of text (its font), without drawing a whole picture."""
+    fig = _figure(1, 1)
+    fig.text(0.5, 0.5, "0.5")
+    fig.savefig(io.BytesIO(), format="png", dpi=10)
 
 
 def _figure(width: float, height: float):

@@ -48,10 +48,10 @@ class Serving(tf.Module):
             return classify(tf.image.resize(cut, [size, size]))
 
         self.serve_bytes = tf.function(
-            from_bytes, input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")]
+            from_bytes, input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")], autograph=False
         )
         self.serve_uint8 = tf.function(
-            from_uint8, input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")]
+            from_uint8, input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")], autograph=False
         )
 
     def signatures(self) -> dict:
