@@ -202,8 +202,9 @@ class Reporters:
     def draw_soon(self, epoch: int, logs: dict) -> None:
         """Hands the curves up to epoch ``epoch`` (0-based) to the painter; never fails.
 
-        Called before the epoch's checkpoint: the picture is drawn while the
-        checkpoint is written, not while the next epoch's steps are timed.
+        Called after the epoch's checkpoint: the picture is drawn while the
+        next epoch's first steps run, which hand the GIL over a few times a
+        step, where a checkpoint hands it over a few times per variable.
         """
         try:
             rows = self.csv.with_row(epoch + 1, logs)
