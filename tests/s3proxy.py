@@ -3,8 +3,10 @@
 Every ``every``-th object read (a GET of a key, not a listing) of at least
 ``min_bytes`` gets its status, its headers (with the whole Content-Length)
 and half its body, then the connection is shut: the client sees the body
-break off, which botocore's own retries do not cover. Everything else
-passes through unchanged.
+break off, which botocore's own retries do not cover. A read (key and
+range) is broken once at most: its retry goes through, where a count alone
+could land on the same read attempt after attempt while other reads run
+beside it. Everything else passes through unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class CuttingProxy:
         target = urllib.parse.urlsplit(upstream)
         self.every, self.min_bytes = every, min_bytes
         self.reads = self.cuts = 0
+        self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
 
@@ -47,7 +50,7 @@ class CuttingProxy:
                     headers = response.getheaders()
                 finally:
                     upstream.close()
-                cut = self.command == "GET" and proxy._cut_this(self.path, len(data))
+                cut = self.command == "GET" and proxy._cut_this(self.path, self.headers.get("Range", ""), len(data))
                 self.send_response_only(response.status, response.reason)
                 for name, value in headers:
                     if name.lower() not in _HOP or (self.command == "HEAD" and name.lower() == "content-length"):
@@ -73,15 +76,16 @@ class CuttingProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-proxy", daemon=True)
         self._thread.start()
 
-    def _cut_this(self, path: str, size: int) -> bool:
+    def _cut_this(self, path: str, byte_range: str, size: int) -> bool:
         parts = urllib.parse.urlsplit(path)
         bucket, _, key = parts.path.lstrip("/").partition("/")
         if not key or "list-type" in parts.query or size < self.min_bytes:
             return False
         with self._lock:
             self.reads += 1
-            if self.reads % self.every:
+            if self.reads % self.every or (path, byte_range) in self._broken:
                 return False
+            self._broken.add((path, byte_range))
             self.cuts += 1
             return True
 
