@@ -222,7 +222,7 @@ class Loop:
         self.ctx.on_root(lambda: self.reporters.epoch_end(epoch, logs, path), name=f"report.{epoch}")
         self.boundary.commit_now()
         if self.reporters:
-            # The curves after the checkpoint, not beside it: drawing holds the GIL, and the
-            # checkpoint reads each variable with its own eager op, each of which waited for it
+            # The curves after the checkpoint and an elastic commit, not beside them: drawing
+            # holds the GIL, and both read each variable with eager ops that each wait for it
             # (a checkpoint took 4x as long, every rank waiting for rank 0).
             self.reporters.draw_soon(epoch, logs)

@@ -248,7 +248,7 @@ class Reporters:
 
     def _paint(self) -> None:
         # matplotlib's import costs ~0.7 s: paid now, while the first epoch
-        # traces its graph, not at an epoch end next to a checkpoint.
+        # traces its graph, not with the first picture.
         plots.draw(self.curves, plots.warm_up)
         while True:
             with self._painter:
