@@ -21,6 +21,11 @@ from hvd_train.errors import UserError
 ALPHA_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
 DEFAULT_ALPHA_BACKGROUND = "white"
 
+# Every function this package hands to tf.data is graph code already (tf.cond,
+# tf.switch_case; Python branches only on static values), so AutoGraph has
+# nothing to convert: skipping it saves ~2.5 s of each process's start.
+plain = tf.autograph.experimental.do_not_convert
+
 
 def decode(contents: tf.Tensor, background: str = DEFAULT_ALPHA_BACKGROUND, portable: bool = False) -> tf.Tensor:
     """Decodes JPEG/PNG/GIF/BMP bytes to an RGB uint8 tensor of shape (h, w, 3).
@@ -266,9 +271,7 @@ def find_bad_images(paths: list[str], threads: int = 0, s3=None, ticker=None) ->
         return path, tf.shape(image)
 
     names = tf.constant([storage.os_bytes(p) for p in paths], tf.string)
-    ds = tf.data.Dataset.from_tensor_slices(names).map(
-        tf.autograph.experimental.do_not_convert(probe), num_parallel_calls=tf.data.AUTOTUNE
-    )
+    ds = tf.data.Dataset.from_tensor_slices(names).map(plain(probe), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.ignore_errors()
     if threads:
         options = tf.data.Options()
@@ -365,9 +368,7 @@ def sort_out(stream: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes, 
         gen, output_signature=(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.string))
     )
     # A decode error drops the element; the gap in the indices says which.
-    ds = ds.map(
-        tf.autograph.experimental.do_not_convert(probe), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-    ).ignore_errors()
+    ds = ds.map(plain(probe), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).ignore_errors()
     for i, shape in ds.prefetch(16).as_numpy_iterator():
         if failed:
             raise failed[0]

@@ -32,17 +32,12 @@ from hvd_train.compat import tf
 from hvd_train.data import packed, storage
 from hvd_train.data.blocks import BlockLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet, PathList
-from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window
+from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window, plain
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sharding import Segment, Strided, epoch_order
 from hvd_train.data.streams import StreamReader
 
 Preprocess = Callable[[tf.Tensor], tf.Tensor]
-
-# Every function this module hands to tf.data is graph code already (tf.cond,
-# tf.switch_case; Python branches only on static values), so AutoGraph has
-# nothing to convert: skipping it saves ~2.5 s of each process's start.
-_plain = tf.autograph.experimental.do_not_convert
 
 STRIDED = Strided()
 
@@ -118,13 +113,13 @@ def train_input(
 
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
     if isinstance(data, ShardSet):
-        ds = ds.map(_plain(load), num_parallel_calls=tf.data.AUTOTUNE)  # records were decoded when packed
+        ds = ds.map(plain(load), num_parallel_calls=tf.data.AUTOTUNE)  # records were decoded when packed
     else:
         ds = _decoded_or_stand_in(ds, load, stand_in)
     ds = ds.batch(batch, drop_remainder=True)
     # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
     ds = ds.map(
-        _plain(lambda images, labels, ids: (preprocess(images), labels, ids)), num_parallel_calls=tf.data.AUTOTUNE
+        plain(lambda images, labels, ids: (preprocess(images), labels, ids)), num_parallel_calls=tf.data.AUTOTUNE
     )
     ds = ds.prefetch(tf.data.AUTOTUNE)
     return TrainInput(_with_threads(ds, threads), segments, reader)
@@ -167,10 +162,10 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset
 
     def one(*element):
         alone = tf.data.Dataset.from_tensors(element)
-        return alone.map(_plain(load)).ignore_errors().concatenate(alone.map(_plain(stand_in))).take(1)
+        return alone.map(plain(load)).ignore_errors().concatenate(alone.map(plain(stand_in))).take(1)
 
     return ds.interleave(
-        _plain(one),
+        plain(one),
         cycle_length=tf.data.AUTOTUNE,
         block_length=1,
         num_parallel_calls=tf.data.AUTOTUNE,
@@ -212,10 +207,8 @@ def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
     ds = tf.data.Dataset.from_generator(
         ids_per_segment, output_signature=(tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.int64))
     )
-    ds = ds.flat_map(
-        _plain(lambda ids, epoch: tf.data.Dataset.from_tensor_slices(ids).map(_plain(lambda i: (i, epoch))))
-    )
-    ds = ds.map(_plain(lambda i, e: (i, e, tf.io.read_file(path_of(i)))), num_parallel_calls=tf.data.AUTOTUNE)
+    ds = ds.flat_map(plain(lambda ids, epoch: tf.data.Dataset.from_tensor_slices(ids).map(plain(lambda i: (i, epoch)))))
+    ds = ds.map(plain(lambda i, e: (i, e, tf.io.read_file(path_of(i)))), num_parallel_calls=tf.data.AUTOTUNE)
     return None, ds
 
 
@@ -328,7 +321,7 @@ def eval_dataset(
             contents, label = packed.parse(record)
             return center(contents), tf.gather(label_map, label)
 
-        ds = ds.map(_plain(load_record), num_parallel_calls=tf.data.AUTOTUNE)
+        ds = ds.map(plain(load_record), num_parallel_calls=tf.data.AUTOTUNE)
     else:
         mine_paths = data.paths[rank::size]
         mine_labels = data.labels[rank::size]
@@ -348,13 +341,13 @@ def eval_dataset(
                     tf.constant([storage.os_bytes(p) for p in mine_paths], dtype=tf.string),
                 )
             )
-            ds = ds.map(_plain(lambda i, p: (i, tf.io.read_file(p))), num_parallel_calls=tf.data.AUTOTUNE)
+            ds = ds.map(plain(lambda i, p: (i, tf.io.read_file(p))), num_parallel_calls=tf.data.AUTOTUNE)
 
         def stand_in(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
             return _black(image_size), tf.cast(-1 - (rank + i * size), tf.int32)
 
         ds = _decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_in)
-    ds = ds.batch(batch_size).map(_plain(lambda images, labels: (preprocess(images), labels)))
+    ds = ds.batch(batch_size).map(plain(lambda images, labels: (preprocess(images), labels)))
     return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 
 
@@ -375,8 +368,8 @@ def predict_dataset(
         return _resize(decode_window(contents, window, min_side=image_size, background=alpha_background), image_size)
 
     ds = tf.data.Dataset.from_tensor_slices(tf.constant([storage.os_bytes(p) for p in paths], dtype=tf.string))
-    ds = ds.map(_plain(load), num_parallel_calls=tf.data.AUTOTUNE)
-    return ds.batch(batch_size).map(_plain(preprocess)).prefetch(tf.data.AUTOTUNE)
+    ds = ds.map(plain(load), num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(batch_size).map(plain(preprocess)).prefetch(tf.data.AUTOTUNE)
 
 
 def random_crop_window(key: tf.Tensor) -> Window:
