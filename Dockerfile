@@ -32,7 +32,7 @@ FROM build-base AS build-gpu
 ENV HVD_TRAIN_GPU=1
 
 # hadolint ignore=DL3006
-FROM build-${VARIANT} AS build
+FROM build-${VARIANT} AS deps
 ENV HVD_TRAIN_VENV=/opt/hvd_train/venv HVD_TRAIN_EXTRAS=export HVD_TRAIN_EDITABLE=0 \
     HVD_TRAIN_CACHE=/root/.cache/hvd_train
 WORKDIR /src
@@ -45,12 +45,22 @@ COPY launch/install.sh launch/
 COPY launch/patches/ launch/patches/
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
     HVD_TRAIN_CA_BUNDLE=/run/secrets/ca HVD_TRAIN_DEPS_ONLY=1 bash launch/install.sh
-# Then hvd_train itself: the same script finds every earlier step done.
+
+# Then hvd_train itself: the same script finds every earlier step done. Its
+# own files (the package, its console script, the hostname fix) are gathered
+# under /code at their paths, so that the runtime image takes the stack and
+# the code as two layers: a change to the code alone is a layer of a few
+# hundred kB, not a copy of the whole venv.
+FROM deps AS build
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY README.md Makefile ./
 COPY launch/ launch/
 COPY hvd_train/ hvd_train/
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
-    HVD_TRAIN_CA_BUNDLE=/run/secrets/ca bash launch/install.sh
+    HVD_TRAIN_CA_BUNDLE=/run/secrets/ca bash launch/install.sh \
+    && mkdir /code && { "$HVD_TRAIN_VENV/bin/python" -I -c 'import importlib.metadata as m, pathlib; \
+d = m.distribution("hvd_train"); [print(pathlib.Path(d.locate_file(f)).resolve()) for f in d.files]' \
+        && echo "$HVD_TRAIN_VENV/lib/hvd_train/gethostname.so"; } | xargs -d '\n' cp -a --parents -t /code
 
 # --- runtime stages: Python, Open MPI and sshd, no compilers ------------------
 FROM debian:trixie-slim AS runtime-base
@@ -69,9 +79,7 @@ ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 # hadolint ignore=DL3006
 FROM runtime-${VARIANT} AS runtime
-COPY --from=build /opt/hvd_train /opt/hvd_train
-# The launch scripts (mpirun.sh passes preemption signals on; discovery scripts for elastic jobs).
-COPY launch/ /opt/hvd_train/launch/
+COPY --from=deps /opt/hvd_train /opt/hvd_train
 # The user hvd, whose home is the working folder: open to other uids too
 # (box runs --user <caller>; Debian 13's useradd makes homes 0700). sshd for
 # multi-node launches (launch/docker.sh worker, the MPI Operator): runs as hvd
@@ -91,6 +99,10 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
 ENV PATH=/opt/hvd_train/venv/bin:$PATH \
     TF_USE_LEGACY_KERAS=1 \
     OMPI_MCA_plm_rsh_args="-p 12345 -o StrictHostKeyChecking=no"
+# The launch scripts (mpirun.sh passes preemption signals on; discovery
+# scripts for elastic jobs), then hvd_train's own files: the last layers.
+COPY launch/ /opt/hvd_train/launch/
+COPY --from=build /code/ /
 USER 1000:1000
 WORKDIR /home/hvd
 ENTRYPOINT ["hvd-train"]

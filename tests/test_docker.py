@@ -111,6 +111,13 @@ def test_image_runs_as_hvd_without_a_compiler(docker, image):
     assert out.stdout.split() == ["1000", "1000"], out.stdout  # no compiler or linker found
     inspect = json.loads(sh(docker, "image", "inspect", image).stdout)[0]["Config"]
     assert inspect["User"] == "1000:1000" and inspect["Entrypoint"] == ["hvd-train"]
+    # The stack and hvd_train's own files are separate layers: a change to the code alone is a small layer on top.
+    history = sh(docker, "history", "--no-trunc", "--human=false", "--format", "{{.Size}} {{.CreatedBy}}", image)
+    layers = [line.split(" ", 1) for line in history.stdout.splitlines()]
+    newest = next((int(size), made) for size, made in layers if int(size) > 0)
+    assert "COPY /code/ /" in newest[1] and newest[0] < 10e6, history.stdout
+    stack = [int(size) for size, made in layers if "COPY /opt/hvd_train /opt/hvd_train" in made]
+    assert len(stack) == 1 and stack[0] > 500e6, history.stdout
 
 
 def test_no_ca_bundle_secret_or_pip_cache_in_any_layer(docker, image, marker_ca):
