@@ -16,14 +16,17 @@ class Serving(tf.Module):
         from hvd_train.data.images import decode_window, reduce_crop
         from hvd_train.data.pipeline import center_window
 
-        self.model = trained.model
+        # The SavedModel keeps the model's variables and the two signatures, not the Keras model: saving
+        # that would trace every layer's call for Keras's own loader, most of the export's time.
+        model = trained.model
+        self.weights = list(model.variables)
         self.class_names = tf.constant(trained.classes)
         size, k = trained.image_size, top_k
         window = center_window(trained.crop_fraction)
         preprocess, background = trained.preprocess, trained.alpha_background
 
         def classify(pixels):  # float32 [B, size, size, 3] in 0..255, as predict's pipeline makes them
-            probs = tf.cast(self.model(preprocess(pixels), training=False), tf.float32)
+            probs = tf.cast(model(preprocess(pixels), training=False), tf.float32)
             scores, indices = tf.math.top_k(probs, k=k)
             return {
                 "probabilities": probs,
