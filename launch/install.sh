@@ -177,15 +177,20 @@ wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION+p$patch_id-tf$TF_VERSION-$pyve
 # whose name says everything it was built against (a changed patch or stack
 # is a new one).
 built_marker=$venv/lib/hvd_train/horovod-build
+# A Horovod found installed from this build is checked here, as step 7 checks
+# a new one (its own --check-build, ~20 s: it imports TensorFlow once per question).
+horovod_checked=0
 if [[ "$(cat "$built_marker" 2>/dev/null)" == "$(basename "$wheel_dir")" ]] &&
-  installed horovod "$HOROVOD_VERSION" && "$venv/bin/python" - <<'PY' 2>/dev/null
+  installed horovod "$HOROVOD_VERSION" && NEED_NCCL=$gpu "$venv/bin/python" - <<'PY' 2>/dev/null
 import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import horovod.tensorflow as hvd
 assert hvd.gloo_built() and hvd.mpi_built()
+assert os.environ["NEED_NCCL"] != "1" or hvd.nccl_built()
 PY
 then
-  log "horovod $HOROVOD_VERSION already installed (built against tensorflow $TF_VERSION)"
+  horovod_checked=1
+  log "horovod $HOROVOD_VERSION already installed (built against tensorflow $TF_VERSION; loads, with Gloo and MPI$([[ "$gpu" == 1 ]] && echo ", NCCL"))"
 else
   if ! compgen -G "$wheel_dir/horovod-*.whl" >/dev/null; then
     log "horovod: building $HOROVOD_VERSION from source against tensorflow $TF_VERSION ($variant); this takes several minutes"
@@ -298,6 +303,10 @@ else
 fi
 
 # --- 7. check ---------------------------------------------------------------
+if ((horovod_checked)); then
+  log "done in $(( $(date +%s) - start ))s; activate with: source $venv/bin/activate"
+  exit 0
+fi
 export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=3
 if ! report=$("$venv/bin/horovodrun" --check-build 2>&1); then
   printf '%s\n' "$report" >&2
