@@ -49,8 +49,8 @@ RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
 # Then hvd_train itself: the same script finds every earlier step done. Its
 # own files (the package, its console script, the hostname fix) are gathered
 # under /code at their paths, so that the runtime image takes the stack and
-# the code as two layers: a change to the code alone is a layer of a few
-# hundred kB, not a copy of the whole venv.
+# the code as two layers: a change to the code alone is a layer of about
+# 1.3 MB, not a copy of the whole venv (2.5 GB).
 FROM deps AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 COPY README.md Makefile ./
