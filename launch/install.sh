@@ -304,23 +304,21 @@ else
 fi
 
 # --- 7. check ---------------------------------------------------------------
-if ((horovod_checked)); then
-  log "done in $(( $(date +%s) - start ))s; activate with: source $venv/bin/activate"
-  exit 0
-fi
-export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=3
-if ! report=$("$venv/bin/horovodrun" --check-build 2>&1); then
-  printf '%s\n' "$report" >&2
-  log "horovodrun --check-build failed"
-  exit 1
-fi
-printf '%s\n' "$report" | grep -E '^(Horovod v|    \[)' | sed 's/^/[install] /'
-needed_ops=(TensorFlow MPI Gloo)
-[[ "$gpu" == 1 ]] && needed_ops+=(NCCL)
-for needed in "${needed_ops[@]}"; do
-  if ! printf '%s\n' "$report" | grep -q "\[X\] $needed"; then
-    log "Horovod was built without $needed; remove $wheel_dir and run again"
+if ((!horovod_checked)); then
+  export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=3
+  if ! report=$("$venv/bin/horovodrun" --check-build 2>&1); then
+    printf '%s\n' "$report" >&2
+    log "horovodrun --check-build failed"
     exit 1
   fi
-done
+  printf '%s\n' "$report" | grep -E '^(Horovod v|    \[)' | sed 's/^/[install] /'
+  needed_ops=(TensorFlow MPI Gloo)
+  [[ "$gpu" == 1 ]] && needed_ops+=(NCCL)
+  for needed in "${needed_ops[@]}"; do
+    if ! printf '%s\n' "$report" | grep -q "\[X\] $needed"; then
+      log "Horovod was built without $needed; remove $wheel_dir and run again"
+      exit 1
+    fi
+  done
+fi
 log "done in $(( $(date +%s) - start ))s; activate with: source $venv/bin/activate"

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from hvd_train.compat import tf
-from hvd_train.results.export.serving import Serving, as_uint8, fixed_size_model
+from hvd_train.results.export.serving import Serving, as_uint8, fixed_size_model, variables_of
 from hvd_train.results.inference import Trained
 
 ONNX_OPSET = 17
@@ -27,15 +27,12 @@ def write_savedmodel(trained: Trained, top_k: int, path: str) -> None:
 
 
 def write_tflite(trained: Trained, quantize: str, calibration: np.ndarray | None, path: str) -> None:
-    # The converter saves what it is given as a SavedModel before converting it: given the Keras model
-    # (from_keras_model), that save traces every layer's call for Keras's own loader, most of the
-    # conversion's time. Given the traced model and a module that holds only its variables, it does not.
+    # The converter saves what it is given as a SavedModel before converting it: the traced model and
+    # its variables, not the Keras model (``variables_of``).
     model, size = fixed_size_model(trained), trained.image_size
     spec = tf.TensorSpec([None, size, size, 3], tf.uint8, name="image")
     serve = tf.function(lambda image: {"probabilities": model(image)}, input_signature=[spec], autograph=False)
-    holder = tf.Module()
-    holder.weights = list(model.variables)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()], holder)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()], variables_of(model))
     if quantize == "float16":
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
         converter.target_spec.supported_types = [tf.float16]
