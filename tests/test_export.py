@@ -323,3 +323,20 @@ def test_a_stop_held_back_while_the_export_is_put_in_place_ends_after_it(tmp_pat
     assert done == ["exports.json"]
     assert (folder / "manifest.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no old export or staging folder left"
+
+
+def test_a_stop_while_a_converter_calls_the_model_is_the_export_stop(tmp_path):
+    # Keras turns what a layer's call raises into a new exception (a RuntimeError when it cannot
+    # make one of the same class): the stop must still end the export as a stop.
+    from hvd_train.compat import keras
+    from hvd_train.results.export import folder as exporting
+
+    class SignalledInside(keras.layers.Layer):
+        def call(self, inputs):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the layer's call
+            return inputs
+
+    with pytest.raises(exporting.Stopped, match="before it was complete") as stopped:
+        with exporting.stops_as_errors(str(tmp_path / "export")):
+            SignalledInside()(np.zeros((1, 2), "float32"))
+    assert stopped.value.exit_code == 128 + signal.SIGTERM

@@ -158,6 +158,21 @@ class Stopped(UserError):
         self.exit_code = 128 + signum
 
 
+class _Signalled(BaseException):
+    """A stop signal, raised by the handler wherever the main thread is.
+
+    Not an ``Exception``: nothing on the way may catch it as an error of its
+    own. Keras, for one, turns what a layer's call raises into a new
+    exception of the same class, or a RuntimeError where that class takes
+    other arguments (a stop that came while a converter called the model).
+    ``stops_as_errors`` makes it ``Stopped``.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class _Stops:
     """What ``stops_as_errors`` knows: whether the swap has begun, and a stop that came since."""
 
@@ -183,11 +198,13 @@ def stops_as_errors(folder: str):
         if stops.committed:  # the swap has begun: it ends first, and the stop after it
             stops.pending = signum
             return
-        raise Stopped(signum, folder)
+        raise _Signalled(signum)
 
     before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stops
+    except _Signalled as e:
+        raise Stopped(e.signum, folder) from None
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
