@@ -47,6 +47,7 @@ from hvd_train import config
 from hvd_train.distributed import gradients, start
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.catalogue import build_model
+from hvd_train.training.schedules import WarmupSchedule
 
 ctx = start.init(threads_per_rank=1)
 cfg = config.build({"data": {"train": "d", "batch_size": 16}, "model": {"weights": "none"}, "run": {"output": "o"}})
@@ -57,7 +58,8 @@ images = tf.random.stateless_uniform((16, 64, 64, 3), seed=(1, 2)) * 255
 batch = (images, tf.zeros((16,), tf.int32), tf.zeros((16,), tf.int64))
 it = iter(tf.data.Dataset.from_tensors(batch).repeat())
 plain = tf.function(lambda it: net.model.train_step(next(it)[:2]))  # the same step without the flags
-full = net.step
+rates = WarmupSchedule(0.01, 0.01, 0, 1).parameters()
+full = lambda it: net.run_steps(it, 1, (0, 0, 0.0), (0, 0, 16, 16, 16), rates)  # noqa: E731
 for f in (plain, full):
     for _ in range(10):
         f(it)

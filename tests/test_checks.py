@@ -1,8 +1,6 @@
 """The check before the first step (quick, full with its cache, none) and the stand-ins for images met broken later."""
 
-import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from hvd_train.data.sources import checked
 from hvd_train.distributed.context import Context
 from hvd_train.results.evaluation import evaluate
 
-from conftest import output_of, png_with_a_corrupt_middle, run, write_images
+from conftest import png_with_a_corrupt_middle, write_images
 
 CTX = Context(rank=0, size=1, local_rank=0, local_size=1)
 
@@ -117,54 +115,6 @@ def test_an_image_broken_inside_becomes_a_stand_in_with_its_place_kept(folder):
     result = evaluate(model, held_out, 2, CTX)
     assert result.count == n - 1 and result.skipped == (bad,)
     assert result.confusion.sum() == n - 1
-
-
-# The training step itself (Net.step: Horovod's optimizer, the weights it derives from the ids) on
-# a small model, in a process of its own (Horovod is initialised). Prints the update of each case.
-_STEP = """
-import json
-import numpy as np
-from hvd_train import config
-from hvd_train.distributed import start
-from hvd_train.model.network import Net
-from hvd_train.compat import keras, tf
-from hvd_train.model.catalogue import HEAD_LAYER
-
-ctx = start.init(1)
-cfg = config.build({"data": {"train": "unused"}, "run": {"output": "unused"}, "optim": {"base_lr": 0.1}})
-x = np.random.default_rng(1).normal(size=(4, 6)).astype("float32")
-y = np.array([0, 1, 2, 0], np.int32)
-
-def update(x, y, ids):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((6,))
-    net = Net(keras.Model(inputs, keras.layers.Dense(3, activation="softmax", name=HEAD_LAYER)(inputs)), cfg, 0, 0)
-    before = [w.numpy().copy() for w in net.model.trainable_weights]
-    batch = tf.data.Dataset.from_tensors((x, y, np.asarray(ids, np.int64))).repeat()
-    net.step(iter(batch))
-    return [(w.numpy() - b).ravel().tolist() for w, b in zip(net.model.trainable_weights, before)]
-
-other_x, other_y = x.copy(), y.copy()
-other_x[2], other_y[2] = 100.0, 1  # another stand-in in the same place
-print(json.dumps({
-    "stand_in": update(x, y, [0, 1, -3, 3]),
-    "other_stand_in": update(other_x, other_y, [0, 1, -3, 3]),
-    "plain": update(x, y, [0, 1, 2, 3]),
-    "three_alone": update(x[[0, 1, 3]], y[[0, 1, 3]], [0, 1, 3]),
-}))
-"""
-
-
-def test_stand_ins_weigh_nothing_in_a_step():
-    """A stand-in (a negative id) changes nothing in the update, whatever its pixels and label; the others
-    count as in any other step."""
-    proc = run([sys.executable, "-c", _STEP], timeout=300)
-    assert proc.returncode == 0, output_of(proc)
-    out = {k: [np.asarray(d) for d in v] for k, v in json.loads(proc.stdout.splitlines()[-1]).items()}
-    assert all(np.allclose(a, b) for a, b in zip(out["stand_in"], out["other_stand_in"]))
-    assert not all(np.allclose(a, b) for a, b in zip(out["stand_in"], out["plain"]))
-    # The mean is over the whole batch: the three images weigh what they weigh in a full batch.
-    assert all(np.allclose(a * 3 / 4, b, atol=1e-7) for a, b in zip(out["three_alone"], out["stand_in"]))
 
 
 def test_a_list_of_paths_is_held_compactly_and_acts_as_a_list(tmp_path):

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from hvd_train.config.choices import STEPS_PER_CALL
+
 from conftest import HVD_TRAIN, TINY, cli, output_of, png_with_a_corrupt_middle, read_json, run, write_images
 
 
@@ -53,9 +55,14 @@ def test_outputs_of_a_run(trained_run, demo_small):
     assert "held-out accuracy" in proc.stderr
     assert summary["val_seconds"] > 0
     assert "first step: building the training graph, filling the input pipeline: still at it after" in proc.stderr
-    # Progress every 3 steps, in the log and in TensorBoard alike.
+    # Progress every 3 steps, in the log and in TensorBoard alike: at the end of the first call of the
+    # steps (--steps-per-call) that reaches it, the epoch's end excepted.
     n = int(next(line for line in proc.stdout.splitlines() if re.match(r"\d+/\d+ - ", line)).split("/")[0])
-    every = [k for k in range(3, n, 3)]
+    every = []
+    for done in range(STEPS_PER_CALL, n, STEPS_PER_CALL):
+        if done - (every[-1] if every else 0) >= 3:
+            every.append(done)
+    assert every
     steps = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert steps == [f"{k}/{n}" for k in every] * 2, proc.stdout
     from hvd_train.compat import tf

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_train.config.choices import STEPS_PER_CALL
+
 from conftest import BIN, HVD_TRAIN, TINY, kill_group, launcher_command, output_of, read_json, run, start
 
 pytestmark = pytest.mark.multiprocess
@@ -122,15 +124,21 @@ def straight_run(proc, out, samples):
 
 @pytest.fixture(scope="module")
 def uninterrupted(demo_small, tmp_path_factory):
+    # One step per call, where the runs compared with it take the default: the weights do not depend
+    # on how the steps are cut into calls.
     root = tmp_path_factory.mktemp("straight")
-    proc = run([*launcher_command("horovodrun-gloo", 2), *options(demo_small, root / "run", root / "samples")])
+    command = [*launcher_command("horovodrun-gloo", 2), *options(demo_small, root / "run", root / "samples")]
+    proc = run([*command, "--steps-per-call", "1"])
     return straight_run(proc, root / "run", root / "samples")
 
 
 def check_stopped(proc, stopped_at, launch_exit=None, ranks=2):
     """The job stopped after one step on every rank, with one line each and a checkpoint.
 
-    Returns the step and the checkpoint.
+    The stop comes after the signal (``stopped_at``: the last step seen then), in its epoch or, when
+    the signal came as that epoch's last call of the steps ran, in the next one.
+
+    Returns the epoch, the step and the checkpoint.
     """
     both = proc.stdout + proc.stderr
     if launch_exit is not None:
@@ -140,16 +148,18 @@ def check_stopped(proc, stopped_at, launch_exit=None, ranks=2):
     match = re.search(r"after step (\d+) .* checkpoint (\S+); rerun the same command to continue", lines[0])
     assert match and all(match.group(0) in line for line in lines), output_of(proc)
     step, checkpoint = int(match.group(1)), match.group(2)
-    assert step >= stopped_at["step"] and Path(checkpoint).name == f"epoch-{stopped_at['epoch']:04d}-step-{step:06d}"
+    epoch = int(re.fullmatch(r"epoch-(\d{4})-step-(\d{6})", Path(checkpoint).name).group(1))
+    assert Path(checkpoint).name == f"epoch-{epoch:04d}-step-{step:06d}"
+    assert (epoch, step) >= (stopped_at["epoch"], stopped_at["step"]) and epoch <= stopped_at["epoch"] + 1
     assert Path(checkpoint).is_dir()
     # No traceback from a rank (horovodrun prints its own RuntimeError for the non-zero exits; mpirun does not).
     assert "<stderr>:Traceback" not in both and "<stdout>:Traceback" not in both, output_of(proc)
     if "horovodrun" not in str(proc.args[0]):
         assert "Traceback" not in both, output_of(proc)
-    return step, checkpoint
+    return epoch, step, checkpoint
 
 
-def check_a_rerun_resumes_from(out, checkpoint, stopped_at, step):
+def check_a_rerun_resumes_from(out, checkpoint, epoch, step):
     """The checkpoint of the stop is the one a rerun resumes from, read in-process.
 
     For stops that differ only in how the signal came: the rerun itself is the same as in the tests
@@ -159,7 +169,7 @@ def check_a_rerun_resumes_from(out, checkpoint, stopped_at, step):
 
     found = checkpoints.latest(str(out))
     assert found is not None and Path(found.path) == Path(checkpoint)
-    assert (found.state.epoch, found.state.epoch_steps) == (stopped_at["epoch"], step)
+    assert (found.state.epoch, found.state.epoch_steps) == (epoch, step)
 
 
 def check_the_rerun_is_bit_identical(again, out, samples, checkpoint, before, uninterrupted):
@@ -192,8 +202,9 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
     # while rank 0 writes the checkpoint of the stop. (SIGTERM to horovodrun alone reaches the ranks the
     # second way only: the same path on every rank.) Through `hvd-train launch`, horovodrun's runner
     # that reports each rank's own status (see check_every_rank_ended_stopped).
-    # Step 8 is in the second of 3 epochs (6 steps each): the rerun resumes inside an epoch after the
-    # first and goes on into another.
+    # Step 8 is in the second of 3 epochs (6 steps each), run 4 per call (the default) where the
+    # uninterrupted run ran them one by one: the rerun resumes in or at the end of an epoch after the
+    # first, goes on into another, and ends with the same weights.
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command("hvd-train-launch", 2), *options(demo_small, out, samples)]
     proc = start(command)
@@ -206,14 +217,15 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
     assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
     assert "SIGTERM too: the stop is under way" in proc.stdout + proc.stderr, output_of(proc)
     check_every_rank_ended_stopped(proc)
-    _, checkpoint = check_stopped(proc, at)
+    _, _, checkpoint = check_stopped(proc, at)
     before = sample_lines(samples)
     check_the_rerun_is_bit_identical(run(command), out, samples, checkpoint, before, uninterrupted)
 
 
 # Where the tests that only stop a job (the signal's way to the ranks is what they check) send it:
-# step 3 of the first epoch's 6 is past the slow first steps, and leaves the stop (one or two steps
-# after the signal) inside that epoch, before its end's evaluation and checkpoint.
+# step 3 of the first epoch's 6 is past the slow first steps, and leaves the stop (at the end of
+# the call after the one running) inside that epoch, before its end's evaluation and checkpoint,
+# unless the signal reaches the ranks after its last call started.
 EARLY = 3
 
 
@@ -227,8 +239,8 @@ def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path):
     assert "stopped by SIGTERM" in proc.stdout + proc.stderr  # rank 1's own line
     assert "stopped by a signal to another rank" in proc.stdout + proc.stderr  # rank 0's
     check_every_rank_ended_stopped(proc)
-    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
-    check_a_rerun_resumes_from(out, checkpoint, at, step)
+    epoch, step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
 def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_path):
@@ -244,8 +256,8 @@ def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_pa
     os.killpg(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert "stopped by SIGUSR1" in proc.stdout + proc.stderr, output_of(proc)
-    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
-    check_a_rerun_resumes_from(out, checkpoint, at, step)
+    epoch, step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
 @pytest.mark.parametrize("how", ["process group", "launcher alone"])
@@ -265,30 +277,33 @@ def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how,
         os.kill(proc.pid, signal.SIGTERM)
     proc = finish(proc)
     assert "+ hvd-train launch -np 2 --gloo" in proc.stderr, output_of(proc)
-    step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
-    check_a_rerun_resumes_from(out, checkpoint, at, step)
+    epoch, step, checkpoint = check_stopped(proc, at, launch_exit=EXIT_PREEMPTED)
+    check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
 def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_falls_back_and_it_ends_bit_identical(
     demo_small, tmp_path
 ):
-    # Two epochs of 12 steps: the stop (step 8) is in the first, the reruns go on into the second.
-    # The uninterrupted run to compare with trains meanwhile: one process each, both cores work.
+    # Two epochs of 12 steps, run 2 per call (the uninterrupted run: the default): the signal after
+    # step 4 is agreed in the call of steps 5-6 or 7-8 and read after the next, so the stop (step 8 or
+    # 10) is inside the first epoch, and the reruns go on into the second. The uninterrupted run to
+    # compare with trains meanwhile: one process each, both cores work.
     two = ("--epochs", "2")
     straight_out, straight_samples = tmp_path / "straight", tmp_path / "straight-samples"
     straight = start(options(demo_small, straight_out, straight_samples, *two))
     try:
         out, samples = tmp_path / "run", tmp_path / "samples"
-        command = options(demo_small, out, samples, *two)
+        command = options(demo_small, out, samples, *two, "--steps-per-call", "2")
         proc = start(command)
-        at = wait_for_steps(proc, samples, 8)
+        at = wait_for_steps(proc, samples, 4)
         os.killpg(proc.pid, signal.SIGTERM)
         wait_for_a_save(proc, out)
         os.killpg(proc.pid, signal.SIGTERM)  # the same stop, delivered again while its checkpoint is written
         proc = finish(proc)
         assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
         assert "SIGTERM too: the stop is under way" in proc.stderr, output_of(proc)
-        _, checkpoint = check_stopped(proc, at, ranks=1)
+        epoch, step, checkpoint = check_stopped(proc, at, ranks=1)
+        assert epoch == 0 and step < 12, "a stop inside the epoch"
         before = sample_lines(samples)
 
         # The rerun is killed while it writes its next checkpoint (the end of the epoch): the one after
@@ -356,10 +371,12 @@ def test_a_stop_signal_while_a_rank_starts_up_is_the_first_steps_stop(demo_small
     proc = finish(proc)
     assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
     assert "stopped by SIGUSR1" in proc.stderr, output_of(proc)
-    assert len(sample_lines(samples)[0]) == 1, "one step, then the stop"
-    at = {"epoch": 0, "step": 1}
-    step, checkpoint = check_stopped(proc, at, ranks=1)
-    check_a_rerun_resumes_from(out, checkpoint, at, step)
+    # The first call of the steps (--steps-per-call of them), then the stop.
+    assert len(sample_lines(samples)[0]) == STEPS_PER_CALL, "one call of the steps, then the stop"
+    at = {"epoch": 0, "step": STEPS_PER_CALL}
+    epoch, step, checkpoint = check_stopped(proc, at, ranks=1)
+    assert (epoch, step) == (0, STEPS_PER_CALL)
+    check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
 def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_small, tmp_path):

@@ -10,6 +10,7 @@ from hvd_train.commands._common import positive_int
 
 def add_parser(subparsers) -> None:
     from hvd_train.config import AUGMENTATIONS, MODEL_HELP, PRECISIONS, XLA_MODES
+    from hvd_train.config.choices import STEPS_PER_CALL
 
     parser = subparsers.add_parser(
         "bench",
@@ -17,8 +18,9 @@ def add_parser(subparsers) -> None:
         description="Measure training throughput on this machine, as one process or under horovodrun / mpirun. "
         "--mode synthetic: the training step on random tensors (like Horovod's synthetic benchmarks); "
         "--mode io: the input pipeline alone on real images (like MXNet's --test-io); --mode full: real images "
-        "through the training step. Prints images/s per rank (min / median / max over the timed steps after "
-        "the warm-up), the total, and the scaling efficiency against --baseline; --json writes it all.",
+        "through the training step. Prints images/s per rank (min / median / max over the timed iterations "
+        "after the warm-up, and the host's share of the time between calls of the steps), the total, and the "
+        "scaling efficiency against --baseline; --json writes it all.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--mode", choices=("synthetic", "io", "full"), default="synthetic", help="what to measure")
@@ -40,6 +42,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--warmup-batches", type=int, default=10, help="steps before timing")
     parser.add_argument("--batches-per-iter", type=positive_int, default=10, help="steps per timed iteration")
     parser.add_argument("--iters", type=positive_int, default=10, help="timed iterations")
+    parser.add_argument(
+        "--steps-per-call",
+        type=positive_int,
+        default=STEPS_PER_CALL,
+        help="training steps per call of the compiled step, as hvd-train train runs them (synthetic, full)",
+    )
     parser.add_argument("--threads-per-rank", type=int, default=0, help="CPU threads per process (0: auto)")
     parser.add_argument(
         "--baseline", default="", help="one worker's images/s, or the --json of a one-worker run: for the efficiency"
@@ -76,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             warmup_batches=args.warmup_batches,
             batches_per_iter=args.batches_per_iter,
             iters=args.iters,
+            steps_per_call=args.steps_per_call,
             threads_per_rank=args.threads_per_rank,
             baseline=bench.read_baseline(args.baseline) if args.baseline else 0.0,
         )

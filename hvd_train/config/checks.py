@@ -61,6 +61,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(h.fusion_threshold_mb >= 0, "--fusion-threshold-mb", h.fusion_threshold_mb, "use 0 or more")
     _require(h.cycle_time_ms >= 0, "--cycle-time-ms", h.cycle_time_ms, "use 0 or more")
     c = cfg.compute
+    _require(c.steps_per_call >= 1, "--steps-per-call", c.steps_per_call, "use a whole number >= 1")
     _require(
         not (c.precision == "mixed_float16" and h.grad_accum > 1),
         "--grad-accum",

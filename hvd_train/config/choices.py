@@ -37,6 +37,10 @@ MODEL_HELP = (
 )
 
 
+# The default of --steps-per-call (benchmarks/RESULTS.md, "Steps per call").
+STEPS_PER_CALL = 4
+
+
 def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"flag": flag, "help": help, **extra})
 
@@ -196,10 +200,19 @@ class ComputeConfig:
         xla: ``off``; ``auto``: TensorFlow's XLA auto-clustering; ``jit``:
             the forward and backward pass of the step compiled by XLA, with
             Horovod's allreduce outside the compiled part.
+        steps_per_call: batches per call of the compiled step (a loop
+            inside one ``tf.function``, as Keras's ``steps_per_execution``):
+            the host neither assigns nor reads anything between them. Stops,
+            timed checkpoints and elastic commits are agreed every call.
+            With ``--grad-accum N`` it is rounded down to whole updates (at
+            least N).
     """
 
     precision: str = _opt("auto", "--precision", "numeric precision of the model", choices=PRECISIONS)
     xla: str = _opt("off", "--xla", "XLA compilation of the train step", choices=XLA_MODES)
+    steps_per_call: int = _opt(
+        STEPS_PER_CALL, "--steps-per-call", "batches per compiled call (stops and checkpoints are agreed per call)"
+    )
 
 
 @dataclass(frozen=True)

@@ -2,20 +2,26 @@
 
 ``Net`` holds what a rank trains with: the Keras model (a keras.applications
 backbone with a new head, see ``models``), Horovod's ``DistributedOptimizer``
-around SGD or Adam, and the compiled step. Three things make a step a pure
-function of the training state, so that a resumed run continues exactly:
+around SGD or Adam, and the compiled steps. One call of ``run_steps`` runs
+several steps (``--steps-per-call``) in a loop inside one ``tf.function``,
+as Keras's ``steps_per_execution`` does: the host neither assigns nor reads
+anything between them. Three things make a step a pure function of the
+training state, so that a resumed run continues exactly:
 
-* the learning rate is a variable the loop sets before every step from the
-  schedule (keyed on images seen, see ``schedules``);
+* each step computes its learning rate from the schedule (keyed on images
+  seen, see ``schedules``) in the graph, from the step's place in the call;
 * dropout masks are drawn from ``(seed, rank, step)``, not from a generator
   whose state would be lost with the process;
 * the values that differ from rank to rank (BatchNorm moving statistics,
   the running sums of the epoch's metrics) can be read and written as plain
   arrays, for checkpoints.
 
-Every step also sums three flags over the ranks (stop requested, checkpoint
-due, the last step's time) in the step's own Horovod cycles: the ranks agree
-on when to stop without a collective of their own.
+Every call also sums three numbers over the ranks (stop requested,
+checkpoint due, the previous call's seconds per step): the allreduce needs
+nothing the steps compute, so Horovod negotiates it while they run, and the
+ranks agree on when to stop without a wait of their own. Images that could
+not be decoded (negative stand-in ids) are kept on the device until the loop
+asks for them (``take_stand_ins``).
 
 Under ``--precision mixed_float16`` the optimizer is
 ``LossScaleOptimizer(DistributedOptimizer(...))`` (see ``precision``). With
@@ -34,6 +40,7 @@ from hvd_train.config import TrainConfig
 from hvd_train.distributed import context, gradients
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
+from hvd_train.training.schedules import graph_rate
 
 
 class Classifier(keras.Model):
@@ -127,8 +134,13 @@ class Net:
         self.optimizer.build(self.model.trainable_variables)
         self._build_metrics()
         self.seed = seed
+        self._decay = cfg.optim.lr_schedule
+        self._looped = cfg.compute.steps_per_call > 1
         self._rank = tf.Variable(rank, dtype=tf.int64, trainable=False, name="rank")
-        self._flags = tf.Variable(tf.zeros(3), trainable=False, name="boundary_flags")
+        # Stand-in ids met since ``take_stand_ins`` last emptied it.
+        self._stand_ins = tf.Variable(
+            tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False, name="stand_ins"
+        )
         self._generators = [
             layer._random_generator._generator
             for layer in self.model.submodules
@@ -136,11 +148,14 @@ class Net:
         ]
         # Called with each batch's image ids before they reach the allreduce (--sample-log).
         self.audit = None
-        # No AutoGraph: the step has no control flow on tensors (its ``if``s and
-        # loops are on Python values), and converting Keras's and Horovod's code
-        # on the way in took much of the first step on every rank, at every start
-        # and elastic reset (with Horovod's below: 19 s -> 11 s, MobileNetV2 on a CPU).
-        self._step = tf.function(self._train_step, autograph=False)
+        # Each call also reports when it started and ended (``tf.timestamp``, which
+        # TensorFlow refuses under op determinism): ``bench`` measures the host's share.
+        self.timestamps = False
+        # No AutoGraph: the steps' control flow on tensors is one explicit
+        # while loop, and converting Keras's and Horovod's code on the way in
+        # took much of the first call on every rank, at every start and elastic
+        # reset (with Horovod's below: 19 s -> 11 s, MobileNetV2 on a CPU).
+        self._run = tf.function(self._run_steps, autograph=False)
 
     @property
     def variables(self) -> list[tf.Variable]:
@@ -150,12 +165,65 @@ class Net:
     def set_rank(self, rank: int) -> None:
         self._rank.assign(rank)
 
-    def set_learning_rate(self, lr: float) -> None:
-        self.optimizer.learning_rate.assign(lr)
+    def run_steps(self, iterator, steps: int, flags, progress, rates) -> tuple[dict, tf.Tensor]:
+        """Runs ``steps`` batches from ``iterator``, each at the rate the schedule gives it.
 
-    def set_flags(self, stop: bool, checkpoint: bool, step_seconds: float) -> None:
-        """This rank's flags for the next step: asked to stop; a timed checkpoint is due; its last step's time."""
-        self._flags.assign([float(stop), float(checkpoint), float(step_seconds)])
+        Args:
+            steps: batches to run (``--steps-per-call``, fewer at the end of a segment).
+            flags: this rank's ``[asked to stop, timed checkpoint due, seconds
+                per step of its previous call]``.
+            progress: ``[images seen, steps of the segment run, images per step
+                (all ranks), images of the segment, images per epoch]``, as
+                the ``TrainState`` has them before the first of these steps.
+            rates: the schedule's ``parameters()``.
+
+        Returns:
+            The epoch's metrics so far, and a float64 report: the flags
+            summed over all ranks, then (with ``timestamps``) the call's start
+            and end in seconds.
+        """
+        if steps > 1 and not self._looped:
+            raise ValueError(f"{steps} steps in one call of a Net made for --steps-per-call 1")
+        return self._run(
+            iterator,
+            np.asarray(steps, np.int32),
+            np.asarray(flags, np.float32),
+            np.asarray(progress, np.float64),
+            np.asarray(rates, np.float64),
+        )
+
+    def _run_steps(self, iterator, steps, flags, progress, rates):
+        started = tf.timestamp() if self.timestamps else None
+        # Horovod: the agreement needs nothing the steps compute, so it is negotiated
+        # while they run; every rank gets the same sums.
+        agreed = context.allreduce_sum_op(flags, name="boundary_flags")
+        seen, first, per_step, pending, total = tf.unstack(progress)
+        rate = self.optimizer.learning_rate
+
+        def one_step(i):
+            # The images seen before this step, as ``TrainState.advance`` counts them.
+            done = tf.cast(i, tf.float64) + first
+            images = seen + tf.minimum(done * per_step, pending) - tf.minimum(first * per_step, pending)
+            rate.assign(tf.cast(graph_rate(self._decay, rates, images / tf.maximum(total, 1.0)), rate.dtype))
+            self._train_step(iterator)
+            return (i + 1,)
+
+        if self._looped:
+            # One step after the other: each reads the weights the one before updated.
+            done = tf.while_loop(lambda i: i < steps, one_step, (tf.constant(0),), parallel_iterations=1)
+        elif self.timestamps:
+            # A function's outputs come after all it does, the update included: the end's timestamp too.
+            done = tf.function(one_step, autograph=False)(tf.constant(0))
+        else:
+            # --steps-per-call 1: the step alone, without a loop's frame around it.
+            done = one_step(tf.constant(0))
+        logs = {m.name: m.result() for m in self.model.metrics}
+        report = tf.cast(agreed, tf.float64)
+        if self.timestamps:
+            # A timestamp touches no variable: only these dependencies order it after the steps.
+            with tf.control_dependencies([*done, *logs.values()]):
+                report = tf.concat([report, tf.stack([started, tf.timestamp()])], 0)
+        return logs, report
 
     def _train_step(self, iterator):
         images, labels, ids = next(iterator)
@@ -174,24 +242,22 @@ class Net:
         # An image that could not be decoded came as a black stand-in with a negative
         # id (``pipeline``): it weighs nothing, and the loss is still summed over the
         # whole batch, so every other image counts as much as in any other step.
+        with tf.xla.experimental.jit_scope(compile_ops=False):  # a variable that grows: XLA cannot
+            self._stand_ins.assign(tf.concat([self._stand_ins, tf.boolean_mask(ids, ids < 0)], 0))
         weights = tf.cast(ids >= 0, tf.float32)
-        logs = self.model.train_step((images, labels, weights))
-        # Horovod: every rank's flags, summed in the same cycles as the gradients.
-        agreed = context.allreduce_sum_op(self._flags.read_value(), name="boundary_flags")
-        return logs, ids, agreed
+        self.model.train_step((images, labels, weights))
 
     def _write_audit(self, ids) -> bool:
         self.audit(ids.numpy())
         return True
 
-    def step(self, iterator) -> tuple[dict, tf.Tensor, tf.Tensor]:
-        """Runs one batch from ``iterator``.
-
-        Returns:
-            The epoch's metrics so far, the batch's image ids, and the flags
-            of ``set_flags`` summed over all ranks.
-        """
-        return self._step(iterator)
+    def take_stand_ins(self) -> list[int]:
+        """The training images met undecodable since the last call (their indices), forgotten here."""
+        ids = self._stand_ins.numpy()
+        if not len(ids):
+            return []
+        self._stand_ins.assign(tf.zeros([0], tf.int64))
+        return (-1 - ids).tolist()
 
     # --- values that differ between ranks --------------------------------------
 
@@ -247,8 +313,8 @@ class Net:
 def make_optimizer(cfg: TrainConfig):
     """SGD (with momentum) or Adam, wrapped by Horovod's ``DistributedOptimizer``.
 
-    The learning rate is a plain variable: the training loop sets it before
-    every step from the schedule (see ``schedules``).
+    The learning rate is a plain variable: each compiled step sets it from
+    the schedule before its update (see ``Net.run_steps``).
     """
     if cfg.optim.optimizer == "sgd":
         optimizer = keras.optimizers.SGD(learning_rate=cfg.optim.base_lr, momentum=cfg.optim.momentum)

@@ -12,9 +12,13 @@
 
 Timing follows Horovod's synthetic benchmark: warm-up batches first (graph
 tracing, pipeline start), then ``iters`` iterations of ``batches_per_iter``
-steps; each step's images/s is timed on every rank. The result gives, per
-rank, the min / median / max over the timed steps, the total over ranks,
-and the efficiency against a single-worker figure (``--baseline``).
+steps; each iteration's images/s is timed on every rank, the host waiting
+for the device only at the end of an iteration (the steps run
+``steps_per_call`` per call, as in training). The result gives, per rank,
+the min / median / max over the iterations, the total over ranks, the
+efficiency against a single-worker figure (``--baseline``), and the host's
+share of the timed time: the gaps between one call of the steps ending and
+the next starting, from the calls' own timestamps.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class BenchConfig:
         warmup_batches: steps before timing.
         batches_per_iter: steps per timed iteration.
         iters: timed iterations.
+        steps_per_call: training steps per call of the compiled step (``synthetic``, ``full``).
         threads_per_rank: TensorFlow CPU threads per process (0: usable CPUs / ranks sharing them).
         baseline: images/s of one worker, for the scaling efficiency (0: none).
     """
@@ -68,27 +73,39 @@ class BenchConfig:
     warmup_batches: int = 10
     batches_per_iter: int = 10
     iters: int = 10
+    steps_per_call: int = 1
     threads_per_rank: int = 0
     baseline: float = 0.0
 
 
 @dataclass
 class Timings:
-    """Per-step images/s of one rank (one pipeline variant in ``io`` mode)."""
+    """Per-iteration images/s of one rank (one pipeline variant in ``io`` mode).
+
+    Attributes:
+        rates: images/s of each timed iteration.
+        seconds: seconds of each timed iteration.
+        host_share: the part of the timed time between one call of the steps
+            ending and the next starting (None: not measured, ``io``).
+    """
 
     rates: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    host_share: float | None = None
 
-    def summary(self, batch: int) -> dict:
-        """Per-step min / median / max images/s, the median step, and images/s over all steps."""
+    def summary(self, batch: int, steps_per_iter: int) -> dict:
+        """Per-iteration min / median / max images/s, the median step, and images/s over all iterations."""
         r = self.rates
-        return {
+        out = {
             "min": min(r),
             "median": statistics.median(r),
             "max": max(r),
-            "step_seconds": statistics.median(self.seconds),
-            "overall": batch * len(self.seconds) / sum(self.seconds),
+            "step_seconds": statistics.median(self.seconds) / steps_per_iter,
+            "overall": batch * steps_per_iter * len(self.seconds) / sum(self.seconds),
         }
+        if self.host_share is not None:
+            out["host_share"] = self.host_share
+        return out
 
 
 def run(cfg: BenchConfig, ctx: Context) -> dict:
@@ -104,7 +121,7 @@ def run(cfg: BenchConfig, ctx: Context) -> dict:
         timings = {v: _io(cfg, ctx, fused=v == "fused") for v in variants}
     else:
         timings = {cfg.mode: _train_steps(cfg, ctx)}
-    gathered = ctx.allgather_object({k: (t.rates, t.seconds) for k, t in timings.items()}, name="bench")
+    gathered = ctx.allgather_object({k: (t.rates, t.seconds, t.host_share) for k, t in timings.items()}, name="bench")
     return _result(cfg, ctx, gathered)
 
 
@@ -115,8 +132,8 @@ def _result(cfg: BenchConfig, ctx: Context, gathered: list[dict]) -> dict:
     for name in gathered[0]:
         per_rank = []
         for rank, by_variant in enumerate(gathered):
-            rates, seconds = by_variant[name]
-            per_rank.append({"rank": rank, **Timings(rates, seconds).summary(cfg.batch_size)})
+            timed = Timings(*by_variant[name])
+            per_rank.append({"rank": rank, **timed.summary(cfg.batch_size, cfg.batches_per_iter)})
         total = sum(r["overall"] for r in per_rank)
         entry = {"per_rank": per_rank, "total": total, "per_worker": total / ctx.size}
         if cfg.baseline:
@@ -153,13 +170,14 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     from hvd_train.model import compute
     from hvd_train.model.catalogue import build_model
     from hvd_train.model.network import Net, use_step_seeded_dropout
+    from hvd_train.training import schedules
 
     numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
     train_cfg: TrainConfig = build(
         {
             "data": {"train": cfg.data or "synthetic", "batch_size": cfg.batch_size, "augment": cfg.augment},
             "model": {"name": cfg.model, "weights": "none"},
-            "compute": {"precision": numerics, "xla": cfg.xla},
+            "compute": {"precision": numerics, "xla": cfg.xla, "steps_per_call": cfg.steps_per_call},
             "horovod": {"fp16_allreduce": cfg.fp16_allreduce, "threads_per_rank": cfg.threads_per_rank},
             "run": {"output": "bench"},
         }
@@ -173,6 +191,7 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     use_step_seeded_dropout()
     base = ctx.agree(lambda: build_model(train_cfg.model, classes, cfg.image_size, load_weights=False), name="build")
     net = Net(base, train_cfg, seed=1, rank=ctx.rank, precision=numerics)
+    net.timestamps = True
     # Horovod: every rank starts from rank 0's weights.
     gradients.broadcast_variables(net.variables, ctx)
     if cfg.mode != "full":
@@ -181,29 +200,41 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
         batch = (images * 2 - 1, labels, tf.zeros((cfg.batch_size,), tf.int64))
         dataset = tf.data.Dataset.from_tensors(batch).cache().repeat()
     iterator = iter(dataset)
+    no_flags, progress = (False, False, 0.0), (0, 0, 1, 1, 1)  # steps nobody stops; any rate
+    rates = schedules.WarmupSchedule(0.01, 0.01, 0, 1).parameters()
+    reports = []
 
-    def step() -> None:
-        net.set_flags(False, False, 0.0)
-        _, _, agreed = net.step(iterator)
-        agreed.numpy()  # the step is done on every rank
+    def run_steps(steps: int) -> None:
+        while steps:
+            call = min(steps, cfg.steps_per_call)
+            _, report = net.run_steps(iterator, call, no_flags, progress, rates)
+            reports.append(report)
+            steps -= call
+        reports[-1].numpy()  # the device is done with them, on every rank
 
-    return _timed(cfg, ctx, f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}", step)
+    label = f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}"
+    out = _timed(cfg, ctx, label, run_steps, reports.clear)
+    times = [r.numpy()[3:5] for r in reports]  # each timed call's start and end
+    busy = sum(end - start for start, end in times)
+    out.host_share = 1.0 - busy / (times[-1][1] - times[0][0]) if len(times) > 1 else 0.0
+    return out
 
 
-def _timed(cfg: BenchConfig, ctx: Context, label: str, step) -> Timings:
-    """Runs ``step()`` for the warm-up and the timed batches; times the latter, reporting every iteration."""
-    warmup, timed = _batches(cfg)
+def _timed(cfg: BenchConfig, ctx: Context, label: str, run_steps, before_timing=None) -> Timings:
+    """Runs the warm-up, then times ``iters`` calls of ``run_steps(batches_per_iter)``, reporting each."""
+    warmup, _ = _batches(cfg)
+    if warmup:
+        run_steps(warmup)
+    if before_timing is not None:
+        before_timing()
     out = Timings()
-    for i in range(warmup + timed):
+    for i in range(cfg.iters):
         started = time.perf_counter()
-        step()
+        run_steps(cfg.batches_per_iter)
         seconds = time.perf_counter() - started
-        if i >= warmup:
-            out.seconds.append(seconds)
-            out.rates.append(cfg.batch_size / seconds)
-            if (i - warmup + 1) % cfg.batches_per_iter == 0:
-                recent = out.seconds[-cfg.batches_per_iter :]
-                _report(ctx, label, i - warmup + 1, timed, cfg.batch_size * len(recent) / sum(recent))
+        out.seconds.append(seconds)
+        out.rates.append(cfg.batch_size * cfg.batches_per_iter / seconds)
+        _report(ctx, label, (i + 1) * cfg.batches_per_iter, cfg.iters * cfg.batches_per_iter, out.rates[-1])
     return out
 
 
@@ -241,12 +272,13 @@ def _io(cfg: BenchConfig, ctx: Context, fused: bool) -> Timings:
     _, dataset = _real_input(cfg, ctx, fused)
     iterator = iter(dataset)
 
-    def step() -> None:
-        images, *_ = next(iterator)
+    def run_steps(steps: int) -> None:
+        for _ in range(steps):
+            images, *_ = next(iterator)
         images.numpy()
 
     label = f"io ({'fused crop decode' if fused else 'whole decode'}) {cfg.image_size}px batch {cfg.batch_size}"
-    return _timed(cfg, ctx, label, step)
+    return _timed(cfg, ctx, label, run_steps)
 
 
 def print_result(result: dict) -> None:
@@ -261,7 +293,8 @@ def print_result(result: dict) -> None:
         for r in entry["per_rank"]:
             print(
                 f"    rank {r['rank']}: {r['overall']:.1f} images/s "
-                f"(per step min {r['min']:.1f} / median {r['median']:.1f} / max {r['max']:.1f})"
+                f"(per iteration min {r['min']:.1f} / median {r['median']:.1f} / max {r['max']:.1f})"
+                + (f", host {100 * r['host_share']:.1f}% of the time" if "host_share" in r else "")
             )
         line = f"    total {entry['total']:.1f} images/s ({entry['per_worker']:.1f} per worker)"
         if "efficiency" in entry:

@@ -1,12 +1,13 @@
 """What every rank does together after an optimizer update: an agreed stop, a timed checkpoint, a commit.
 
-Every step also sums, over ranks, flags each rank sets before it: whether
-it was asked to stop (a signal), whether rank 0's clock says a checkpoint is
-due, and how long its previous step took (see ``network.Net.step``). The
-sum travels in the step's own allreduce cycle, so it costs next to nothing;
-where steps are long the ranks also agree right after the step. At every
-optimizer-update boundary all ranks act on the same sums: they stop,
-checkpoint and commit after the same step.
+Every call of the compiled steps also sums, over ranks, flags each rank
+gives it: whether it was asked to stop (a signal), whether rank 0's clock
+says a checkpoint is due, and how long its previous call took per step (see
+``network.Net.run_steps``). Horovod negotiates the sum while the steps run,
+so it costs next to nothing, and the loop reads it one call late, when the
+next call has run (where steps are long the ranks also agree at once).
+Calls end at optimizer-update boundaries, and after each all ranks act on
+the same sums: they stop, checkpoint and commit after the same step.
 """
 
 from __future__ import annotations
@@ -65,16 +66,32 @@ class Boundary:
             and time.monotonic() - self._last_checkpoint[1] >= self.every_seconds
         )
 
-    def after_update(self, stop: float, timed: float, step_seconds: float) -> None:
+    def steps_to_checkpoint(self) -> int:
+        """Steps until a ``--checkpoint-every N`` (steps) checkpoint is due; 0 without one."""
+        if not self.every_steps:
+            return 0
+        return max(1, self.every_steps - (self.state.step - self._last_checkpoint[0]))
+
+    def steps_to_commit(self) -> int:
+        """Steps until an elastic job's next ``--commit-every`` commit; 0 without one."""
+        if self.commit is None:
+            return 0
+        return max(1, self.cfg.horovod.commit_every - self._since_commit) * self.state.accum
+
+    def after_update(self, stop: float, timed: float, step_seconds: float, updates: int = 1) -> None:
         """Acts on what every rank agreed: stop, checkpoint, commit after this same step.
 
-        The arguments are the sums over ranks of the flags each rank set
-        before the step just run (see ``Net.step``); every rank got the same
-        sums. A signal that arrived during that step shows in the next one,
-        which is free for short steps; where steps are long (more than
-        ``SLOW_STEP`` seconds) the ranks also agree right now, with a small
-        allreduce that costs under 1% of such a step, so a stop does not wait
-        for one more long step.
+        The first three arguments are the sums over ranks of what each rank
+        gave a call of the steps (see ``Net.run_steps``), the call before the
+        one just run; every rank got the same sums. A signal that arrived
+        during a call shows in the next one, and is read when the one after
+        has run, which is free for short steps; where steps are long
+        (more than ``SLOW_STEP`` seconds) the ranks also agree right now,
+        with a small allreduce that costs under 1% of such a step, so a stop
+        does not wait for more long steps.
+
+        Args:
+            updates: optimizer updates run since the last call (the elastic commit's cadence).
 
         Raises:
             Preempted: on every rank, after the stop's checkpoint.
@@ -92,15 +109,20 @@ class Boundary:
         if timed > 0 or by_steps:
             self.save_checkpoint("--checkpoint-every")
         if self.commit is not None:
-            self._since_commit += 1
+            self._since_commit += updates
             if self._since_commit >= self.cfg.horovod.commit_every:
                 self.commit_now()
 
     def commit_now(self) -> None:
         """An elastic job's commit (nothing otherwise)."""
         if self.commit is not None:
+            self.collect_stand_ins()
             self._since_commit = 0
             self.commit()
+
+    def collect_stand_ins(self) -> None:
+        """Moves the undecodable training images the steps met into ``history`` (read from the device)."""
+        self.history.undecodable.update(self.net.take_stand_ins())
 
     def _stop(self) -> None:
         state = self.state
@@ -124,6 +146,7 @@ class Boundary:
         """
         started = time.perf_counter()
         state, ctx = self.state, self.ctx
+        self.collect_stand_ins()
         # Horovod: the values that differ between ranks go into the checkpoint too, with the
         # training images each rank met undecodable and has not reported yet (at the epoch's end).
         gathered = ctx.allgather_object(

@@ -163,6 +163,7 @@ def _summary(job, ctx, state, final: EvalResult | None, history: History, digest
         "deterministic": cfg.run.deterministic,
         "precision": job.precision,
         "xla": cfg.compute.xla,
+        "steps_per_call": cfg.compute.steps_per_call,
         "horovod_environment": {k: os.environ.get(k) for k in sorted(_HOROVOD_TUNING)},
         "resumed_from": history.resumed_from,
         "world_sizes": history.world_sizes,

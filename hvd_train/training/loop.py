@@ -6,8 +6,12 @@ back to a commit, or a run resumed from a checkpoint, calls it again and it
 continues where the state says: the rest of the current epoch (consumed
 images skipped), then whole epochs.
 
-Each step runs at the learning rate the schedule gives for the epoch's
-progress. What the ranks do together after an update (stop, checkpoint,
+The steps run ``--steps-per-call`` at a time, in one call of the compiled
+step each (``Net.run_steps``), at the learning rate the schedule gives each
+of them. The host reads nothing of a call before the next has run: what the
+ranks agreed in call N (a stop, a timed checkpoint) is acted on after call
+N+1, the same call on every rank (the agreement of a segment's first call
+at once). What the ranks do together after a call (stop, checkpoint,
 commit) is in ``boundary``; the end of an epoch (metrics, BatchNorm sync,
 evaluation) in ``epoch_end``; rank 0 writes metrics.csv, TensorBoard and the
 curves (``writers``) after the epoch's checkpoint.
@@ -16,8 +20,6 @@ curves (``writers``) after the epoch's checkpoint.
 from __future__ import annotations
 
 import time
-
-import numpy as np
 
 from hvd_train.data.pipeline import release, train_input
 from hvd_train.data.sharding import Segment
@@ -162,35 +164,60 @@ class Loop:
 
     def _run_epoch_steps(self, segment: Segment, first: int, iterator) -> tuple[int, float]:
         """Runs the steps of ``segment`` from ``first`` on; returns the steps run and their seconds."""
-        state, boundary, reporters = self.state, self.boundary, self.reporters
+        state, boundary, reporters, net = self.state, self.boundary, self.reporters, self.net
         if reporters:
             reporters.progress.begin(state.epoch, segment.steps, first, segment.batch * segment.size)
         self._wait_before = self._waited()
-        seconds = 0.0
-        last_step = 0.0
-        for _ in range(first, segment.steps):
+        rates = self.schedule.parameters()
+        per_step = segment.batch * segment.size
+        seconds = last = 0.0
+        agreed = None  # the last call's report, read once the next call has run
+        first_call = True
+        while state.segment_steps < segment.steps:
+            steps = self._steps_of_call(segment)
             started = time.perf_counter()
-            self.net.set_learning_rate(self.schedule(state.epoch_progress))
-            self.net.set_flags(self.stop.requested, boundary.timed_checkpoint_due(), last_step)
+            # The last call's time per step, from here: the host waits for each call's report once
+            # the next has started, so in a steady run this loop goes at the device's pace.
+            flags = (self.stop.requested, boundary.timed_checkpoint_due(), last)
+            progress = (state.images_seen, state.segment_steps, per_step, segment.pending_count, state.total)
             if self._traced:
-                logs, ids, agreed = self.net.step(iterator)
-            else:  # the first step builds the graph and fills the input pipeline: say so while it lasts
+                logs, report = net.run_steps(iterator, steps, flags, progress, rates)
+            else:  # the first call builds the graph and fills the input pipeline: say so while it lasts
                 with Ticker(log, "first step: building the training graph, filling the input pipeline"):
-                    logs, ids, agreed = self.net.step(iterator)
+                    logs, report = net.run_steps(iterator, steps, flags, progress, rates)
                 self._traced = True
-            stand_ins = ids.numpy()
-            if stand_ins.min() < 0:  # images that could not be decoded (``pipeline``)
-                self.history.undecodable.update((-1 - stand_ins[stand_ins < 0]).tolist())
-            last_step = time.perf_counter() - started
-            state.advance()
+            state.advance(steps)
             if self.history.resets and "seconds" not in self.history.resets[-1]:
                 self._training_again()
-            seconds += time.perf_counter() - started
+            updates = steps // state.accum
+            if first_call:
+                # The first call's agreement at once, the one wait of the segment: a stop that came
+                # while the rank started (or the epoch ended) comes after the first call.
+                boundary.after_update(*report.numpy()[:3], updates=updates)
+                first_call = False
+            else:
+                boundary.after_update(*(agreed.numpy()[:3] if agreed is not None else (0, 0, 0)), updates=updates)
+                agreed = report
+            last = (time.perf_counter() - started) / steps
+            seconds += last * steps
             if reporters:
                 reporters.progress.step(state.segment_steps, logs)
-            if state.segment_steps % state.accum == 0:
-                boundary.after_update(*np.asarray(agreed))
+        if agreed is not None:  # the last call's agreement, at the segment's end
+            boundary.after_update(*agreed.numpy()[:3], updates=0)
         return segment.steps - first, seconds
+
+    def _steps_of_call(self, segment: Segment) -> int:
+        """Steps of the next call: ``--steps-per-call`` in whole updates, to the next boundary at most.
+
+        A call ends at the segment's end, a ``--checkpoint-every N`` checkpoint
+        and an elastic commit, where one is due.
+        """
+        state, accum = self.state, self.state.accum
+        steps = min(self.cfg.compute.steps_per_call, segment.steps - state.segment_steps)
+        for limit in (self.boundary.steps_to_checkpoint(), self.boundary.steps_to_commit()):
+            if limit:
+                steps = min(steps, limit)
+        return max(accum, steps - steps % accum)
 
     def _waited(self) -> float:
         return self.reader.stats()["wait_seconds"] if self.reader else 0.0
@@ -209,6 +236,7 @@ class Loop:
     def _end_epoch(self, steps: int, seconds: float) -> None:
         state, net = self.state, self.net
         epoch = state.epoch
+        self.boundary.collect_stand_ins()
         waited = self._waited() - self._wait_before if self.reader is not None else None
         logs = epoch_end.close_epoch(
             self.job, self.ctx, net, epoch, state.batch_size, self.history, steps, seconds, waited

@@ -7,17 +7,21 @@ from the single-worker rate over the first epochs.
 The schedule is keyed on training progress measured in epochs (images seen
 divided by images per epoch), not on a step counter: a step holds more or
 fewer images when the number of workers changes (an elastic job, or a rerun
-on another cluster), and the rate must not jump then. The training loop
-evaluates the schedule before every step and sets the optimizer's
-learning-rate variable; nothing is traced into the step, so the compiled
-step never holds a stale rate. (Horovod's ``LearningRateWarmupCallback`` is
-not used: it writes floats over Keras >= 2.11 optimizer variables and
+on another cluster), and the rate must not jump then. The compiled steps
+compute each step's rate themselves (``graph_rate``, the same formulas in
+TensorFlow ops) from the images seen, which the step counter inside the
+call gives; the schedule's numbers are an argument of the call, not traced
+constants, so a new peak (another number of workers) needs no new trace and
+the host assigns nothing per step. (Horovod's ``LearningRateWarmupCallback``
+is not used: it writes floats over Keras >= 2.11 optimizer variables and
 crashes.)
 """
 
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 
 def linear_scaling(base_lr: float, global_batch: int, batch_size: int) -> float:
@@ -104,6 +108,20 @@ class WarmupSchedule:
             return self.peak_lr * self.drop_factor**drops
         return self.peak_lr
 
+    def parameters(self) -> np.ndarray:
+        """The numbers ``graph_rate`` reads, as one float64 vector."""
+        return np.array(
+            [
+                self.initial_lr,
+                self.peak_lr,
+                self.warmup_epochs,
+                self.total_epochs,
+                self.drop_factor,
+                self.drop_period_epochs,
+            ],
+            np.float64,
+        )
+
     def get_config(self) -> dict:
         return {
             "initial_lr": self.initial_lr,
@@ -118,3 +136,26 @@ class WarmupSchedule:
     @classmethod
     def from_config(cls, config: dict) -> WarmupSchedule:
         return cls(**config)
+
+
+def graph_rate(decay: str, parameters, epochs):
+    """``WarmupSchedule.__call__`` in TensorFlow ops, in float64, for a compiled step.
+
+    Args:
+        decay: the schedule's ``decay`` (a Python value: each kind is its own trace).
+        parameters: ``WarmupSchedule.parameters()``, as a tensor.
+        epochs: the training progress in epochs, a float64 scalar tensor.
+    """
+    from hvd_train.compat import tf
+
+    initial, peak, warmup, total, factor, period = tf.unstack(parameters)
+    warming = initial + (peak - initial) * epochs / tf.maximum(warmup, 1e-300)
+    if decay == "cosine":
+        span = tf.maximum(total - warmup, 1e-12)
+        progress = tf.clip_by_value((epochs - warmup) / span, 0.0, 1.0)
+        after = peak * 0.5 * (1.0 + tf.cos(math.pi * progress))
+    elif decay == "step":
+        after = peak * tf.pow(factor, tf.floor(epochs / period + 1e-9))
+    else:
+        after = peak
+    return tf.where(epochs < warmup, warming, after)

@@ -23,6 +23,8 @@ from hvd_train.results import plots
 
 log = get_logger("train")
 
+# A terminal's progress bar shows the metrics at most this often (seconds).
+BAR_SECONDS = 0.25
 
 METRIC_COLUMNS = (
     "epoch",
@@ -120,6 +122,7 @@ class Progress:
         self.every_steps, self.every_seconds = parse_every(every)
         self.tensorboard = tensorboard
         self._bar = None
+        self._bar_time = 0.0
         self._started = 0.0
 
     def begin(self, epoch: int, steps: int, first_step: int, images_per_step: int = 0) -> None:
@@ -135,9 +138,11 @@ class Progress:
                 self._bar.update(first_step)
 
     def step(self, done: int, logs: dict) -> None:
-        if self._bar is not None:
-            self._bar.update(done, [(k, float(v)) for k, v in logs.items()])
         now = time.perf_counter()
+        if self._bar is not None and now - self._bar_time >= BAR_SECONDS:
+            # Reading the metrics waits for the device: a few times a second is enough for a bar.
+            self._bar.update(done, [(k, float(v)) for k, v in logs.items()])
+            self._bar_time = now
         due = (self.every_steps and done - self._last_step >= self.every_steps) or (
             self.every_seconds and now - self._last_time >= self.every_seconds
         )
