@@ -5,6 +5,7 @@ same input size. Images/s is measured over the epochs after the first (the
 first includes graph tracing), over training steps only.
 
     python benchmarks/throughput.py [--images-per-class 200] [--epochs 4] [--out DIR]
+    python benchmarks/throughput.py --pairs 3 [--image-size 96]   # plain fit and hvd-train np=1, alternating
 
 Prints a Markdown table; benchmarks/RESULTS.md keeps the recorded runs.
 """
@@ -107,6 +108,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--out", default=None, help="work folder (default: a temporary one)")
+    parser.add_argument(
+        "--pairs", type=int, default=0, help="only plain fit against hvd-train np=1 (all cores), N alternating pairs"
+    )
     args = parser.parse_args()
 
     from hvd_train import compat  # noqa: F401
@@ -115,6 +119,9 @@ def main() -> None:
     work = args.out or tempfile.mkdtemp(prefix="hvd-bench-")
     data = make_demo_data(os.path.join(work, "data"), per_class=args.images_per_class)
     cores = os.cpu_count() or 1
+    if args.pairs:
+        pairs(data, work, args, cores)
+        return
     rows = []
     t0 = time.time()
     rows.append(
@@ -148,6 +155,30 @@ def main() -> None:
     plain = rows[0][2]
     print(f"\nhvd-train np=1 / plain fit: {rows[1][2] / plain:.2f}")
     print(f"np=2 / np=1 at one core per rank: {rows[4][2] / rows[3][2]:.2f}")
+
+
+def pairs(data: str, work: str, args, cores: int) -> None:
+    """Plain fit and hvd-train np=1, alternating (the first of each pair alternates too)."""
+    import statistics
+
+    plain, ours = [], []
+    for i in range(args.pairs):
+        for who in ("plain", "ours") if i % 2 == 0 else ("ours", "plain"):
+            if who == "plain":
+                plain.append(plain_keras_fit(data, args.image_size, args.batch_size, args.epochs, cores))
+            else:
+                out = os.path.join(work, f"pair-{i}")
+                run = hvd_train(data, out, 1, args.image_size, args.batch_size, args.epochs, cores)
+                ours.append(run["images_per_sec"])
+            print(who, f"{(plain if who == 'plain' else ours)[-1]:.1f}", file=sys.stderr, flush=True)
+    print(
+        f"MobileNetV2 from scratch, {args.image_size}x{args.image_size}, batch {args.batch_size}, "
+        f"{5 * args.images_per_class} images, {cores} cores; images/s, median of epochs 2..{args.epochs}\n"
+    )
+    print("| plain fit | hvd-train np=1 | ratio |\n|---|---|---:|")
+    for p, o in zip(plain, ours):
+        print(f"| {p:.1f} | {o:.1f} | {o / p:.2f} |")
+    print(f"\nmedian ratio: **{statistics.median(ours) / statistics.median(plain):.2f}**")
 
 
 if __name__ == "__main__":

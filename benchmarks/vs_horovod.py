@@ -13,7 +13,10 @@ script imports `keras`, which must be Keras 2 here: it is started with
 changed. hvd-train picks its own thread count (one per bound core) unless
 --threads-per-rank is given.
 
-Prints Markdown; benchmarks/RESULTS.md keeps the recorded runs.
+The two alternate (Horovod's first in even repeats, ours first in odd
+ones), --repeats times at np=1 and np=2. Prints Markdown with every run, the
+medians and the ratio of the medians; benchmarks/RESULTS.md keeps the
+recorded runs.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +89,8 @@ def ours(np_: int, args, work: Path) -> float:
     cmd += ["--precision", "fp32", "--warmup-batches", "10", "--batches-per-iter", "10"]
     if args.threads_per_rank:
         cmd += ["--threads-per-rank", str(args.threads_per_rank)]
+    if args.steps_per_call:
+        cmd += ["--steps-per-call", str(args.steps_per_call)]
     cmd += ["--iters", str(args.iters - 1), "--json", str(out)]
     subprocess.run(cmd, env=ENV, capture_output=True, text=True, check=True)
     return json.loads(out.read_text())["results"]["synthetic"]["total"]
@@ -100,25 +106,29 @@ def main() -> int:
         "--threads-per-rank", type=int, default=0, help="hvd-train's threads (0: its choice from its CPUs)"
     )
     parser.add_argument("--iters", type=int, default=10, help="Horovod's --num-iters (the first is its warm-up)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--np", type=int, nargs="+", default=[1, 2], help="numbers of ranks to run")
+    parser.add_argument("--steps-per-call", type=int, default=0, help="hvd-train's (0: its default)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hvd-train-vs-"))
     results = {}
-    for _ in range(args.repeats):
-        for np_ in (1, 2):
-            results.setdefault(("horovod", np_), []).append(horovods(args.horovod_example, np_, args))
-            results.setdefault(("hvd-train", np_), []).append(ours(np_, args, work))
-    best = {k: max(v) for k, v in results.items()}
+    for repeat in range(args.repeats):
+        for np_ in args.np:
+            order = ("horovod", "hvd-train") if repeat % 2 == 0 else ("hvd-train", "horovod")
+            for who in order:
+                rate = horovods(args.horovod_example, np_, args) if who == "horovod" else ours(np_, args, work)
+                results.setdefault((who, np_), []).append(rate)
+                print(who, np_, f"{rate:.1f}", file=sys.stderr, flush=True)
     what = f"{args.model} {args.image_size} px, batch {args.batch_size}, fp32"
-    print(f"\n{what}, one core per rank; best of {args.repeats}\n")
-    print("| | np=1 img/s | np=2 img/s | scaling np=1->2 |")
-    print("|---|---|---|---|")
-    for who in ("horovod", "hvd-train"):
-        one, two = best[(who, 1)], best[(who, 2)]
-        runs = ", ".join(f"{x:.1f}" for x in results[(who, 1)] + results[(who, 2)])
-        print(f"| {who} | {one:.1f} | {two:.1f} | {two / (2 * one):.2f} (runs: {runs}) |")
-    for np_ in (1, 2):
-        print(f"\nhvd-train / Horovod at np={np_}: {best[('hvd-train', np_)] / best[('horovod', np_)]:.2f}")
+    print(f"\n{what}, one core per rank; {args.repeats} alternating runs, images/s\n")
+    print("| np | Horovod's runs | hvd-train's runs | pairs (ours / Horovod's) | median ratio |")
+    print("|---|---|---|---|---:|")
+    for np_ in args.np:
+        theirs, mine = results[("horovod", np_)], results[("hvd-train", np_)]
+        pairs = ", ".join(f"{m / t:.2f}" for m, t in zip(mine, theirs))
+        ratio = statistics.median(mine) / statistics.median(theirs)
+        runs = [", ".join(f"{x:.1f}" for x in r) for r in (theirs, mine)]
+        print(f"| {np_} | {runs[0]} | {runs[1]} | {pairs} | **{ratio:.2f}** |")
     return 0
 
 
