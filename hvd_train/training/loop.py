@@ -176,8 +176,8 @@ class Loop:
         while state.segment_steps < segment.steps:
             steps = self._steps_of_call(segment)
             started = time.perf_counter()
-            # The last call's time per step, from here: the host waits for each call's report once
-            # the next has started, so in a steady run this loop goes at the device's pace.
+            # The last call's time per step: the host waits for each call's report once the next
+            # has been dispatched, so in a steady run this loop goes at the device's pace.
             flags = (self.stop.requested, boundary.timed_checkpoint_due(), last)
             progress = (state.images_seen, state.segment_steps, per_step, segment.pending_count, state.total)
             if self._traced:
@@ -189,17 +189,16 @@ class Loop:
             state.advance(steps)
             if self.history.resets and "seconds" not in self.history.resets[-1]:
                 self._training_again()
-            updates = steps // state.accum
             if first_call:
                 # The first call's agreement at once, the one wait of the segment: a stop that came
                 # while the rank started (or the epoch ended) comes after the first call.
-                boundary.after_update(*report.numpy()[:3], updates=updates)
-                first_call = False
+                values, first_call = report.numpy()[:3], False
             else:
-                boundary.after_update(*(agreed.numpy()[:3] if agreed is not None else (0, 0, 0)), updates=updates)
-                agreed = report
+                values, agreed = (agreed.numpy()[:3] if agreed is not None else (0, 0, 0)), report
+            # The steps' time, waiting for a report included, not what the ranks do after them.
             last = (time.perf_counter() - started) / steps
             seconds += last * steps
+            boundary.after_update(*values, updates=steps // state.accum)
             if reporters:
                 reporters.progress.step(state.segment_steps, logs)
         if agreed is not None:  # the last call's agreement, at the segment's end
