@@ -108,14 +108,14 @@ def train_input(
         def load(index, epoch, contents):
             return augmenter(contents, epoch * n + index), labels_t[index], index
 
-        def stand_in(index, epoch, contents):
-            return _black(image_size), labels_t[index], -1 - index
+        def stand_ins(index, epoch, contents):
+            return _black(index, image_size), tf.gather(labels_t, index), -1 - index
 
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
     if isinstance(data, ShardSet):
         ds = ds.map(plain(load), num_parallel_calls=tf.data.AUTOTUNE)  # records were decoded when packed
     else:
-        ds = _decoded_or_stand_in(ds, load, stand_in)
+        ds = _decoded_or_stand_in(ds, load, stand_ins)
     ds = ds.batch(batch, drop_remainder=True)
     # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
     ds = ds.map(
@@ -141,8 +141,15 @@ def release(held: list) -> None:
     threading.Thread(target=held.clear, name="release-input", daemon=True).start()
 
 
-def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset:
-    """``ds.map(load)``, where an element whose image cannot be decoded becomes ``stand_in(element)``.
+# Images decoded together under one guard against decode errors (``_decoded_or_stand_in``): enough to
+# spread the guard's cost (a few small datasets per group), few enough to keep few images in flight.
+GUARDED_GROUP = 8
+
+
+def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_ins) -> tf.data.Dataset:
+    """``ds.map(load)``, where an element whose image cannot be decoded becomes a stand-in.
+
+    ``stand_ins`` takes elements batched (a tensor per component) and gives their stand-ins.
 
     An image that passed the start-up check can still fail to decode (a
     corrupt middle that ``--check-images quick`` does not read, or any
@@ -155,26 +162,32 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_in) -> tf.data.Dataset
     errors (a file gone, S3 down) are not caught here: they stop the run
     as before.
 
-    Each element goes through a one-element dataset that ignores its error,
-    followed by the stand-in: the first of the two is kept. Interleaving
-    those in order runs them in parallel like ``map`` does.
+    Elements go in groups of ``GUARDED_GROUP``. A group is decoded by a
+    small dataset that drops the elements that fail, each kept with its
+    place in the group; the group's stand-ins then take in the ones that
+    decoded, in their places.
+    Groups are decoded in parallel and in order, like ``map``. A dataset
+    per element, which this replaced, halved the pipeline's speed.
     """
 
-    def one(*element):
-        alone = tf.data.Dataset.from_tensors(element)
-        return alone.map(plain(load)).ignore_errors().concatenate(alone.map(plain(stand_in))).take(1)
+    def group(*elements):
+        places = tf.range(tf.shape(elements[0])[0])
+        decoded = (
+            tf.data.Dataset.from_tensor_slices((places, elements))
+            .map(plain(lambda place, element: (place, load(*element))))
+            .ignore_errors()
+            .batch(GUARDED_GROUP)
+        )
+        none = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype), decoded.element_spec)
+        places, images = decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
+        return tuple(tf.tensor_scatter_nd_update(s, places[:, None], d) for s, d in zip(stand_ins(*elements), images))
 
-    return ds.interleave(
-        plain(one),
-        cycle_length=tf.data.AUTOTUNE,
-        block_length=1,
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
-    )
+    return ds.batch(GUARDED_GROUP).map(plain(group), num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
 
-def _black(image_size: int) -> tf.Tensor:
-    return tf.zeros([image_size, image_size, 3], tf.float32)
+def _black(ids: tf.Tensor, image_size: int) -> tf.Tensor:
+    """Black images, one per id in ``ids``."""
+    return tf.zeros([tf.shape(ids)[0], image_size, image_size, 3], tf.float32)
 
 
 def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
@@ -343,10 +356,10 @@ def eval_dataset(
             )
             ds = ds.map(plain(lambda i, p: (i, tf.io.read_file(p))), num_parallel_calls=tf.data.AUTOTUNE)
 
-        def stand_in(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
-            return _black(image_size), tf.cast(-1 - (rank + i * size), tf.int32)
+        def stand_ins(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
+            return _black(i, image_size), tf.cast(-1 - (rank + i * size), tf.int32)
 
-        ds = _decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_in)
+        ds = _decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_ins)
     ds = ds.batch(batch_size).map(plain(lambda images, labels: (preprocess(images), labels)))
     return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 
