@@ -113,3 +113,34 @@ def test_evaluation_counts_each_image_once(files):
             ).dataset
             seen += labels_of(ds)
         assert sorted(seen) == list(range(N)), size
+
+
+def test_undecodable_images_become_stand_ins_in_their_places_across_groups():
+    """One bad image inside a group, a whole group bad, one bad in the last, partial group."""
+    import io
+
+    import tensorflow as tf
+
+    from hvd_train.data import pipeline
+
+    group = pipeline.GUARDED_GROUP
+    n = 2 * group + 5
+    bad = {3, *range(group, 2 * group), 2 * group + 3}
+
+    def png(value):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((2, 2), value, np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+
+    contents = [b"not an image at all" if i in bad else png(i) for i in range(n)]
+    ds = tf.data.Dataset.from_tensor_slices((tf.range(n, dtype=tf.int64), contents))
+
+    def load(i, encoded):
+        return tf.cast(tf.reshape(tf.io.decode_png(encoded, channels=1), [4]), tf.int64), i
+
+    def stand_ins(i, encoded):
+        return tf.fill([tf.shape(i)[0], 4], tf.constant(-7, tf.int64)), -1 - i
+
+    out = list(pipeline._decoded_or_stand_in(ds, load, stand_ins).as_numpy_iterator())
+    assert [int(i) for _, i in out] == [-1 - i if i in bad else i for i in range(n)]
+    assert [pixels.tolist() for pixels, _ in out] == [[-7] * 4 if i in bad else [i] * 4 for i in range(n)]
