@@ -165,9 +165,9 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_ins) -> tf.data.Datase
     Elements go in groups of ``GUARDED_GROUP``. A group is decoded by a
     small dataset that drops the elements that fail, each kept with its
     place in the group; the group's stand-ins then take in the ones that
-    decoded, in their places.
-    Groups are decoded in parallel and in order, like ``map``. A dataset
-    per element, which this replaced, halved the pipeline's speed.
+    decoded, in their places. Groups are decoded in parallel and in order,
+    like ``map``. A dataset per element, which this replaced, halved the
+    pipeline's speed.
     """
 
     def group(*elements):
