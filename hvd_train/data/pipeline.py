@@ -179,8 +179,8 @@ def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_ins) -> tf.data.Datase
             .batch(GUARDED_GROUP)
         )
         none = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype), decoded.element_spec)
-        places, images = decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
-        return tuple(tf.tensor_scatter_nd_update(s, places[:, None], d) for s, d in zip(stand_ins(*elements), images))
+        kept, images = decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
+        return tuple(tf.tensor_scatter_nd_update(s, kept[:, None], d) for s, d in zip(stand_ins(*elements), images))
 
     return ds.batch(GUARDED_GROUP).map(plain(group), num_parallel_calls=tf.data.AUTOTUNE).unbatch()
 
