@@ -102,3 +102,33 @@ def test_horovodrun_itself_is_quiet_unless_asked(args):
     proc = run([BIN / "horovodrun", *args], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert bool(NOISY.search(proc.stdout + proc.stderr)) == ("--verbose" in args), proc.stdout + proc.stderr
+
+
+ASK_WHAT_WAS_BUILT = """
+import os, sys
+from horovod.common import util
+if sys.argv[1] == "answers":
+    print(util.extension_available("tensorflow", verbose=True), util.gloo_built(True), util.mpi_built(True))
+else:  # one question: each import of TensorFlow takes seconds
+    util._op_library = (lambda name: 1 / 0) if sys.argv[1] == "raises" else (lambda name: os.abort())
+    print(util.gloo_built(verbose=True))
+"""
+
+
+def imported(stderr: str) -> set[str]:
+    """The modules ``python -X importtime`` says were imported, in this process and its forked children."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("op_library", ["answers", "raises", "dies"])
+def test_horovodrun_asks_the_op_library_what_was_built_and_imports_tensorflow_only_where_it_cannot(op_library):
+    # horovodrun asks this before every job (and --check-build for each line it prints). Horovod as
+    # we build it asks the TensorFlow extension's op library alone, in a forked child, not an import
+    # of TensorFlow (seconds); where that child cannot answer, the import answers as it always did.
+    proc = run([sys.executable, "-X", "importtime", "-c", ASK_WHAT_WAS_BUILT, op_library], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    answers = [line for line in proc.stdout.splitlines() if not line.startswith(("Checking", "Extension", "Its"))]
+    assert answers == (["True True True"] if op_library == "answers" else ["True"]), proc.stdout + proc.stderr
+    modules = imported(proc.stderr)
+    assert "horovod.common.basics" in modules, proc.stderr
+    assert ("tensorflow" in modules) == (op_library != "answers"), sorted(modules)
