@@ -177,9 +177,9 @@ wheel_dir="$cache/wheels/horovod-$HOROVOD_VERSION+p$patch_id-tf$TF_VERSION-$pyve
 # whose name says everything it was built against (a changed patch or stack
 # is a new one).
 built_marker=$venv/lib/hvd_train/horovod-build
-# A Horovod found installed from this build is checked here, by loading it;
-# step 7's --check-build (~20 s: it imports TensorFlow once per question) is
-# for a new one.
+# A Horovod found installed from this build is checked here, by loading it
+# with TensorFlow as a rank does; step 7's horovodrun --check-build is for a
+# new one.
 horovod_checked=0
 if [[ "$(cat "$built_marker" 2>/dev/null)" == "$(basename "$wheel_dir")" ]] &&
   installed horovod "$HOROVOD_VERSION" && NEED_NCCL=$gpu "$venv/bin/python" - <<'PY' 2>/dev/null
