@@ -81,6 +81,20 @@ def _show_choices(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command of ``argv`` (this process's own arguments if None) and returns its exit status.
+
+    A process started as ``hvd-train`` (``argv`` None) that loaded TensorFlow
+    ends here instead, without the interpreter's teardown (``end_process``).
+    """
+    code = _main(argv)
+    if argv is None and "tensorflow" in sys.modules:
+        from hvd_train.distributed.exits import end_process
+
+        end_process(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given[:1] == ["launch"]:  # the launcher, not a rank: no TensorFlow, no rank set-up
         from hvd_train.commands import launch

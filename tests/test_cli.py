@@ -4,6 +4,7 @@ import csv
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,30 @@ def test_a_config_file_run_skips_and_lists_bad_images_and_evaluate_reports_every
     assert f"accuracy  {result['accuracy']:.4f}" in proc.stdout
     with Image.open(tmp_path / "confusion.png") as im:  # drawn beside the report
         assert im.format == "PNG"
+
+
+ENDS = """
+import atexit, sys, tempfile, threading, time
+from hvd_train.distributed.exits import end_process
+
+class Kept:
+    def __del__(self):
+        print("torn down")  # the interpreter's teardown would print this
+
+kept = Kept()
+folder = tempfile.TemporaryDirectory()  # removed by an exit handler, as at any exit
+atexit.register(lambda: print("exit handler ran"))
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished"))).start()
+print(folder.name)
+print("buffered", end="")
+end_process(3)
+"""
+
+
+def test_a_process_ends_with_its_exit_handlers_and_threads_but_without_the_teardown(tmp_path):
+    # A command that loaded TensorFlow ends so: about a second sooner, with the same effects.
+    proc = run([sys.executable, "-c", ENDS], timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1:] == ["bufferedthread finished", "exit handler ran"], proc.stdout
+    assert not os.path.exists(lines[0]), "the temporary folder is removed"
