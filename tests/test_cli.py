@@ -319,7 +319,7 @@ end_process(3)
 """
 
 
-def test_a_process_ends_with_its_exit_handlers_and_threads_but_without_the_teardown(tmp_path):
+def test_a_process_ends_with_its_exit_handlers_and_threads_but_without_the_teardown():
     # A command that loaded TensorFlow ends so: about a second sooner, with the same effects.
     proc = run([sys.executable, "-c", ENDS], timeout=60)
     assert proc.returncode == 3, proc.stderr
