@@ -54,9 +54,7 @@ def end_after_stop(code: int, stop_signals) -> None:
     if hvd is not None and hvd.is_initialized():
         # Horovod: every rank takes part in the shutdown (each one is on its way out).
         hvd.shutdown()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()  # else mpirun reports the rank as "exiting improperly"
+    _finalize_mpi()
     os._exit(code)
 
 
@@ -65,11 +63,11 @@ def end_process(code: int) -> None:
 
     Threads that are not daemons are waited for, and the exit handlers run
     (Horovod's shutdown, logging's flush, temporary folders' removal), as at
-    any exit; then MPI is finalised if mpi4py set it up (mpi4py does that
-    after the interpreter's teardown). Skipped: the interpreter freeing the
-    objects of every module one by one, which takes about a second once
-    TensorFlow is loaded and leaves nothing behind. Every output is closed,
-    or flushed, by then (TensorBoard's events after each write).
+    any exit; then MPI is finalised if mpi4py set it up. Skipped: the
+    interpreter freeing the objects of every module one by one, which takes
+    about a second once TensorFlow is loaded and leaves nothing behind.
+    Every output is closed, or flushed, by then (TensorBoard's events after
+    each write).
     """
     main = threading.main_thread()
     for thread in threading.enumerate():
@@ -81,7 +79,12 @@ def end_process(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a reader gone (a closed pipe), or the stream closed
             pass
+    _finalize_mpi()
+    os._exit(code)
+
+
+def _finalize_mpi() -> None:
+    """Finalises MPI if mpi4py set it up: mpi4py would at the interpreter's teardown, which ``os._exit`` skips."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()  # else mpirun reports the rank as "exiting improperly"
-    os._exit(code)
