@@ -6,6 +6,8 @@ from hvd_train.compat import keras
 from hvd_train.distributed.context import Context
 from hvd_train.results.evaluation import evaluate
 
+from conftest import write_images
+
 
 def fixed_model(num_classes):
     """A model whose prediction is the input's own probability vector."""
@@ -41,3 +43,30 @@ def test_fewer_than_five_classes_uses_top_k_of_all():
     result = evaluate(fixed_model(2), ds, 2, Context())
     assert result.k == 2 and result.top5 == 1.0 and result.accuracy == 0.5
     assert result.per_class_accuracy() == [0.5, None]
+
+
+def test_the_held_out_input_is_built_once_a_rank_and_the_step_traced_once_for_every_batch(tmp_path):
+    from hvd_train.config.choices import TrainConfig
+    from hvd_train.data.folder import list_folder
+    from hvd_train.model.catalogue import get_spec
+    from hvd_train.training.epoch_end import HeldOut
+    from hvd_train.training.job import Job
+
+    images = list_folder(str(write_images(tmp_path / "d", {"a": 5, "b": 6}, size=16)))
+    job = Job(TrainConfig(), images, images, 16, "float32", get_spec("MobileNet"))
+    held_out = HeldOut(job)
+    mine = held_out.input(Context(), 4)  # 11 images: batches of 4, 4 and 3
+    # Every epoch's end reads the same input (its decoding traced once); another rank or world size
+    # (an elastic reset) or batch gets its own.
+    assert held_out.input(Context(), 4) is mine
+    assert held_out.input(Context(rank=1, size=2), 4) is not mine
+    assert held_out.input(Context(), 5) is not held_out.input(Context(rank=1, size=2), 4)
+    mine = held_out.input(Context(), 4)
+    model = keras.Sequential(
+        [keras.layers.Input((16, 16, 3)), keras.layers.Flatten(), keras.layers.Dense(2, "softmax")]
+    )
+    first, again = (evaluate(model, mine.dataset, 2, Context()) for _ in range(2))
+    assert first.count == again.count == 11 and first.loss_sum == again.loss_sum and first.top1 == again.top1
+    # One trace of the step for full and last batches alike, kept for the next evaluation.
+    [step] = model.__dict__["_hvd_train_eval_steps"].values()
+    assert step.experimental_get_tracing_count() == 1

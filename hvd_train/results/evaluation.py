@@ -106,6 +106,8 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
     step = cache.get((num_classes, k))
     if step is None:
         step = cache[(num_classes, k)] = _make_step(model, num_classes, k)
+        # Traced once for batches of any size: the last, smaller batch would trace it again.
+        step.get_concrete_function(*dataset.element_spec)
     count, loss_sum, top1, topk = 0, 0.0, 0, 0
     skipped: list[int] = []
     confusion = np.zeros((num_classes, num_classes), np.int64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hvd_train.data.images import why_undecodable
-from hvd_train.data.pipeline import eval_dataset
+from hvd_train.data.pipeline import EvalInput, eval_dataset
 from hvd_train.data.streams import input_errors
 from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
@@ -24,8 +24,51 @@ from hvd_train.training.job import History, Job
 log = get_logger("train")
 
 
+class HeldOut:
+    """This rank's held-out input, built once and read again at every epoch's end.
+
+    Building it traces its decoding functions, about half a second on a CPU
+    at every epoch's end when it was built anew. Another rank, world size or
+    batch (an elastic reset) builds it again.
+    """
+
+    def __init__(self, job: Job):
+        self.job = job
+        self._key: tuple | None = None
+        self._input: EvalInput | None = None
+
+    def input(self, ctx: Context, batch_size: int) -> EvalInput:
+        cfg = self.job.cfg
+        threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
+        key = (ctx.rank, ctx.size, batch_size, threads)
+        if key != self._key:
+            self._input = eval_dataset(
+                self.job.val,
+                rank=ctx.rank,
+                size=ctx.size,
+                batch_size=batch_size,
+                image_size=self.job.image_size,
+                crop_fraction=cfg.data.crop_fraction,
+                preprocess=self.job.spec.preprocess_input(),
+                threads=threads,
+                s3=cfg.data.s3_options(),
+                alpha_background=cfg.data.alpha_background,
+            )
+            self._key = key
+        return self._input
+
+
 def close_epoch(
-    job: Job, ctx: Context, net: Net, epoch: int, batch_size: int, history: History, steps: int, seconds: float, waited
+    job: Job,
+    ctx: Context,
+    net: Net,
+    epoch: int,
+    batch_size: int,
+    history: History,
+    steps: int,
+    seconds: float,
+    waited,
+    held_out: HeldOut | None = None,
 ) -> dict:
     """The logs of ``epoch``, the same on every rank; kept in ``history.epochs``.
 
@@ -33,6 +76,7 @@ def close_epoch(
         batch_size: images per worker per step.
         steps, seconds: the steps this process ran in the epoch and their time (0 when none).
         waited: seconds this rank's input waited on storage in the epoch, or None without a storage reader.
+        held_out: the held-out input kept from epoch to epoch (None: built for this call).
     """
     logs = _averaged_metrics(net, ctx)
     _report_undecodable(job, ctx, history, epoch)
@@ -45,29 +89,19 @@ def close_epoch(
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
     gradients.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
     if job.val is not None:
-        result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}")
+        result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}", held_out)
         logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
     history.epochs[epoch] = logs
     return logs
 
 
-def evaluate_held_out(job: Job, ctx: Context, net: Net, batch_size: int, history: History, name: str) -> EvalResult:
+def evaluate_held_out(
+    job: Job, ctx: Context, net: Net, batch_size: int, history: History, name: str, held_out: HeldOut | None = None
+) -> EvalResult:
     """Scores every held-out image once (all ranks take part); kept as ``history.last_eval``."""
-    cfg = job.cfg
-    held_out = eval_dataset(
-        job.val,
-        rank=ctx.rank,
-        size=ctx.size,
-        batch_size=batch_size,
-        image_size=job.image_size,
-        crop_fraction=cfg.data.crop_fraction,
-        preprocess=job.spec.preprocess_input(),
-        threads=start.cpu_threads(ctx, cfg.horovod.threads_per_rank),
-        s3=cfg.data.s3_options(),
-        alpha_background=cfg.data.alpha_background,
-    )
-    with input_errors(ctx.rank, held_out.reader):
-        result = score(net.model, held_out.dataset, len(job.classes), ctx, name=name)
+    inputs = (held_out or HeldOut(job)).input(ctx, batch_size)
+    with input_errors(ctx.rank, inputs.reader):
+        result = score(net.model, inputs.dataset, len(job.classes), ctx, name=name)
     history.last_eval = result
     if result.skipped:
         _skipped(job, ctx, history, [job.val.paths[i] for i in result.skipped], "evaluation")

@@ -74,6 +74,7 @@ class Loop:
         self.reader = None
         self._wait_before = 0.0
         self.reporters: Reporters | None = None
+        self.held_out = epoch_end.HeldOut(job) if job.val is not None else None
         self._traced = False
         if self.cfg.run.sample_log:
             net.audit = SampleLog(self.cfg.run.sample_log, state, ctx)
@@ -238,7 +239,7 @@ class Loop:
         self.boundary.collect_stand_ins()
         waited = self._waited() - self._wait_before if self.reader is not None else None
         logs = epoch_end.close_epoch(
-            self.job, self.ctx, net, epoch, state.batch_size, self.history, steps, seconds, waited
+            self.job, self.ctx, net, epoch, state.batch_size, self.history, steps, seconds, waited, self.held_out
         )
         if self.reporters and steps:
             self.reporters.progress.end(steps, logs)
