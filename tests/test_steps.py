@@ -108,15 +108,22 @@ no_warmup = WarmupSchedule(0.01, 0.08, 0, 10, "cosine")
 out["no_warmup"] = [[no_warmup(e) for e in epochs],
                     [float(rate("cosine", no_warmup.parameters(), tf.constant(e, tf.float64))) for e in epochs]]
 print(json.dumps(out))
+
+# One collective that Horovod runs here, so the timeline shows it records them.
+import horovod.tensorflow as hvd
+tf.function(lambda: hvd.allreduce(tf.constant(1.0), name="timeline_control"))()  # eager ops go unnamed
+hvd.shutdown()
 """
 
 
 @pytest.fixture(scope="module")
-def cases():
-    proc = run([sys.executable, "-c", _STEPS], timeout=300)
+def cases(tmp_path_factory):
+    """The script's three results, then Horovod's timeline of the process."""
+    timeline = tmp_path_factory.mktemp("timeline") / "timeline.json"
+    proc = run([sys.executable, "-c", _STEPS], timeout=300, HOROVOD_TIMELINE=str(timeline))
     assert proc.returncode == 0, output_of(proc)
     lines = proc.stdout.splitlines()[-3:]
-    return [json.loads(line) for line in lines]
+    return [json.loads(line) for line in lines] + [timeline.read_text()]
 
 
 def test_stand_ins_weigh_nothing_in_a_step(cases):
@@ -150,6 +157,14 @@ def test_stand_ins_are_kept_on_the_device_until_taken(cases):
     # The report: the flags summed over the ranks (one here), then the call's start and end.
     stop, timed, seconds, started, ended = cases[1]["all_at_once"]["report"]
     assert (stop, timed, seconds) == (0, 0, 0.5) and ended > started > 0
+
+
+def test_one_process_agrees_with_itself_without_a_collective_per_call(cases):
+    """The flags summed over one rank are the flags (the report above): no round trip through Horovod's
+    background thread for each call, which was each step's at --steps-per-call 1."""
+    timeline = cases[3]
+    assert "timeline_control" in timeline  # the timeline records what Horovod runs
+    assert "boundary_flags" not in timeline
 
 
 def test_the_compiled_schedule_is_the_python_schedule(cases):

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train.compat import tf
 from hvd_train.distributed import cpus
 from hvd_train.errors import UserError
 
@@ -118,7 +119,15 @@ def allreduce_sum_op(tensor, name: str):
     The op is named ``HorovodAllreduce_<name>``: inside a graph, TensorFlow's
     error names the node, not its type, and a failure must still read as a
     failed collective (``is_horovod_failure``) for an elastic job to go on.
+
+    One process sums nothing: as Horovod's own optimizer does with gradients,
+    the tensor then passes through without the round trip through Horovod's
+    background thread (a few milliseconds a call). The number of processes is
+    read when the op runs, so an elastic job that grows from one sums again.
     """
     import horovod.tensorflow as hvd
 
-    return hvd.allreduce(tensor, op=hvd.Sum, name=f"HorovodAllreduce_{name}")
+    def total():
+        return hvd.allreduce(tensor, op=hvd.Sum, name=f"HorovodAllreduce_{name}")
+
+    return tf.cond(tf.greater(hvd.size_op(), 1), total, lambda: tf.identity(tensor))
