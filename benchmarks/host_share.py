@@ -1,7 +1,7 @@
 """The host's share of a training step: the time between one step's update and the next step's start.
 
     python benchmarks/host_share.py [--model MobileNetV2] [--image-size 32] [--batch-size 1]
-        [--steps 300] [--steps-per-call 1 4] [--before SRC] [--repeats 3]
+        [--steps 300] [--steps-per-call 1 4] [--before SRC [--before-steps-per-call K]] [--repeats 3]
 
 Every variant runs in a process of its own on one core (``taskset -c 0``,
 one TensorFlow thread), with the model's ``train_step`` wrapped so that it
@@ -19,7 +19,8 @@ span of those steps. The variants:
 * ``train K``: ``hvd-train train`` for one epoch on a folder of PNG images,
   ``--steps-per-call K``;
 * ``before``: ``hvd-train train`` from the source folder SRC (a checkout of
-  an earlier commit, without ``--steps-per-call``).
+  an earlier commit), at its default steps per call or at
+  ``--before-steps-per-call K``.
 
 Variants alternate within each repeat. Prints Markdown (median over the
 repeats of each variant's median gap, median step and share);
@@ -139,6 +140,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300, help="timed steps (after 20 more)")
     parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--before", default="", help="source folder of an earlier hvd_train to compare with")
+    parser.add_argument("--before-steps-per-call", type=int, help="--steps-per-call of the earlier one")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hvd-train-host-share-"))
@@ -165,6 +167,8 @@ def main() -> int:
             else:
                 out = work / f"out-{name.replace(' ', '-')}-{repeat}"
                 extra = ["--steps-per-call", name.split()[1]] if name.startswith("train") else []
+                if name == "before" and args.before_steps_per_call:
+                    extra = ["--steps-per-call", str(args.before_steps_per_call)]
                 full = [*cmd, str(stamps), "train", *train, "--output", str(out), *extra]
             results[name].append(measure(name, full, stamps, envs[name]))
             print(name, json.dumps(results[name][-1]), file=sys.stderr, flush=True)
