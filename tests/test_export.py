@@ -33,9 +33,13 @@ from conftest import (
 COLOURS = {"blue": 20, "green": 20, "red": 20}  # write_images: one colour per class, learnt in a few steps
 
 
-def train(data, out, *extra):
+def training(data, out, *extra):
     program = [*HVD_TRAIN, "train", "--data", data, "--output", out, "--weights", "none", "--image-size", "32"]
-    proc = run([*program, "--no-tensorboard", "--threads-per-rank", "2", "--val-split", "0.25", *extra])
+    return [*program, "--no-tensorboard", "--threads-per-rank", "2", "--val-split", "0.25", *extra]
+
+
+def train(data, out, *extra):
+    proc = run(training(data, out, *extra))
     assert proc.returncode == 0, output_of(proc)
     return out
 
@@ -77,10 +81,34 @@ def export(run_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def exported(mobilenet_run, tmp_path_factory):
-    """The run exported in every format with --check: its test reads it, the stopped export replaces a copy."""
-    folder = tmp_path_factory.mktemp("exported") / "export"
-    proc = export(mobilenet_run, "--output", folder, "--check")
+def exports(mobilenet_run, colours, tmp_path_factory):
+    """The run exported three ways with --check, at once (each process mostly waits on one core):
+    ``{"every format": (folder, proc), "float16": ..., "int8": ...}``.
+
+    int8 calibrates on given images among which two cannot be decoded: they are left out, as training
+    leaves them out. (Without --calibration-data the run's own training images are used: the stopped
+    export below shows it.)
+    """
+    root = tmp_path_factory.mktemp("exported")
+    calibration = root / "calibration"
+    shutil.copytree(colours, calibration)
+    png_with_a_corrupt_middle(calibration / "red" / "middle.png")
+    (calibration / "blue" / "empty.jpg").write_bytes(b"")
+    quantized = ["--format", "tflite,onnx", "--check", "--quantize"]
+    extra = {
+        "every format": ["--check"],
+        "float16": [*quantized, "float16"],
+        "int8": [*quantized, "int8", "--calibration-data", calibration],
+    }
+    folders = {name: root / name.replace(" ", "-") / "export" for name in extra}
+    procs = run_at_once(*([*HVD_TRAIN, "export", mobilenet_run, "--output", folders[n], *extra[n]] for n in extra))
+    return {name: (folders[name], proc) for name, proc in zip(extra, procs)}
+
+
+@pytest.fixture(scope="module")
+def exported(exports):
+    """The run exported in every format: its test reads it, the stopped export replaces a copy."""
+    folder, proc = exports["every format"]
     assert proc.returncode == 0, output_of(proc)
     return folder, proc
 
@@ -161,22 +189,8 @@ print(json.dumps([[n, float(p)] for n, p in zip(names, out["top_k_scores"].numpy
 
 
 @pytest.mark.parametrize("quantize", ["float16", "int8"])
-def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(
-    quantize, mobilenet_run, colours, tmp_path
-):
-    folder = tmp_path / "export"
-    given = []
-    if quantize == "int8":
-        # Calibration images that cannot be decoded are left out, as training leaves them out. (Without
-        # --calibration-data the run's own training images are used: the stopped export below shows it.)
-        calibration = tmp_path / "calibration"
-        shutil.copytree(colours, calibration)
-        png_with_a_corrupt_middle(calibration / "red" / "middle.png")
-        (calibration / "blue" / "empty.jpg").write_bytes(b"")
-        given = ["--calibration-data", calibration]
-    proc = export(
-        mobilenet_run, "--output", folder, "--format", "tflite,onnx", "--quantize", quantize, *given, "--check"
-    )
+def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(quantize, mobilenet_run, exports):
+    folder, proc = exports[quantize]
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, output_of(proc)
     manifest = read_json(folder / "manifest.json")
     names = [f"model-{quantize}.tflite", f"model-{quantize}.onnx"]
@@ -188,31 +202,45 @@ def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(
     if quantize == "int8":
         # Calibrated on the 60 images that can be decoded, for both files, recorded.
         assert "int8 calibration: skipping 2 image(s) that cannot be decoded" in proc.stderr
+        calibration = folder.parent.parent / "calibration"
         assert manifest["calibration"]["images"] == 60 and str(calibration) in manifest["calibration"]["source"]
         assert "int8 calibration: 60 images" in (folder / "README.md").read_text()
 
 
-@pytest.mark.parametrize(
-    "model, extra",
-    [
-        # Caffe-mode preprocessing (BGR, ImageNet means) and a frozen backbone, so a layer-normalised head:
-        # VGG16's is the preprocess_input of ResNet50 too, and its 13 convolutions trace and convert in a
-        # fraction of ResNet50's time (benchmarks/RESULTS.md records ResNet50's exports).
-        ("VGG16", ["--freeze-backbone", "--batch-size", "16", "--epochs", "3"]),
-        # Preprocessing inside the model, as EfficientNet's (benchmarks/RESULTS.md records EfficientNetB0's
-        # exports): MobileNetV3Small's graph exports in half the time.
-        ("MobileNetV3Small", ["--precision", "mixed_float16", "--batch-size", "8", "--epochs", "8"]),
-    ],
-)
-def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, extra, colours, large_colours, tmp_path):
-    out = train(colours, tmp_path / "run", "--model", model, "--deterministic", *extra)
-    assert read_json(out / "summary.json")["val_accuracy"] > 0.5, "a network that tells the classes apart"
-    folder = tmp_path / "export"
-    # Checked on given images (all 60, as JPEGs 5x the training size) rather than the run's held-out
-    # ones: both signatures of the SavedModel, the encoded files and their whole pixels.
-    proc = export(
-        out, "--output", folder, "--format", "savedmodel,tflite,onnx", "--check-data", large_colours, "--check"
+BACKBONES = {
+    # Caffe-mode preprocessing (BGR, ImageNet means) and a frozen backbone, so a layer-normalised head:
+    # VGG16's is the preprocess_input of ResNet50 too, and its 13 convolutions trace and convert in a
+    # fraction of ResNet50's time (benchmarks/RESULTS.md records ResNet50's exports).
+    "VGG16": ["--freeze-backbone", "--batch-size", "16", "--epochs", "3"],
+    # Preprocessing inside the model, as EfficientNet's (benchmarks/RESULTS.md records EfficientNetB0's
+    # exports): MobileNetV3Small's graph exports in half the time.
+    "MobileNetV3Small": ["--precision", "mixed_float16", "--batch-size", "8", "--epochs", "8"],
+}
+
+
+@pytest.fixture(scope="module")
+def backbone_exports(colours, large_colours, tmp_path_factory):
+    """Each of ``BACKBONES`` trained, then exported in every format, checked on given images (all 60, as
+    JPEGs 5x the training size) rather than the run's held-out ones: both signatures of the SavedModel,
+    the encoded files and their whole pixels. The two runs train at once, then export at once.
+    ``{model: (run, export folder, training proc, export proc)}``."""
+    root = tmp_path_factory.mktemp("backbones")
+    runs = {model: root / model / "run" for model in BACKBONES}
+    trained = run_at_once(
+        *(training(colours, runs[m], "--model", m, "--deterministic", *extra) for m, extra in BACKBONES.items())
     )
+    formats = ["--format", "savedmodel,tflite,onnx", "--check-data", large_colours, "--check"]
+    exported = run_at_once(
+        *([*HVD_TRAIN, "export", runs[m], "--output", root / m / "export", *formats] for m in BACKBONES)
+    )
+    return {m: (runs[m], root / m / "export", t, e) for m, t, e in zip(BACKBONES, trained, exported)}
+
+
+@pytest.mark.parametrize("model", BACKBONES)
+def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, backbone_exports, large_colours, tmp_path):
+    out, folder, trained, proc = backbone_exports[model]
+    assert trained.returncode == 0, output_of(trained)
+    assert read_json(out / "summary.json")["val_accuracy"] > 0.5, "a network that tells the classes apart"
     assert proc.returncode == 0, output_of(proc)
     manifest = read_json(folder / "manifest.json")
     assert manifest["source"]["model"] == model and len(manifest["formats"]) == 3
@@ -235,7 +263,7 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, ext
         pngs.append(str(tmp_path / f"{i}.png"))
     saved = tf.saved_model.load(str(folder / manifest["formats"][0]["path"]))
     assert np.allclose(run_savedmodel(saved, pngs), run_savedmodel_uint8(saved, pngs, "white"), rtol=0, atol=1e-6)
-    if "mixed_float16" in extra:
+    if "mixed_float16" in BACKBONES[model]:
         assert manifest["source"]["precision"] == "mixed_float16"
         import onnx
 

@@ -122,7 +122,7 @@ def allreduce_sum_op(tensor, name: str):
 
     One process sums nothing: as Horovod's own optimizer does with gradients,
     the tensor then passes through without the round trip through Horovod's
-    background thread (a few milliseconds a call). The number of processes is
+    background thread (about a millisecond a call). The number of processes is
     read when the op runs, so an elastic job that grows from one sums again.
     """
     import horovod.tensorflow as hvd
