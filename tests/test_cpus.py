@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, TINY, output_of, read_json, run, unavailable
+from conftest import BIN, TINY, output_of, read_json, run, run_at_once, unavailable
 
 
 @pytest.fixture
@@ -32,8 +32,9 @@ at = TINY.index("--threads-per-rank")
 AUTO = TINY[:at] + TINY[at + 2 :]
 
 
-def doctor_cpus(prefix=()):
-    proc = run([*prefix, *HVD_TRAIN, "doctor"], timeout=120)
+def doctor_cpus(prefix=(), proc=None):
+    """The cpus section of ``hvd-train doctor`` run under ``prefix`` (or of its finished ``proc``)."""
+    proc = proc or run([*prefix, *HVD_TRAIN, "doctor"], timeout=120)
     assert proc.returncode == 0, output_of(proc)
     lines = proc.stdout.split("cpus\n", 1)[1].split("\nnetwork", 1)[0]
     return dict(line.split(None, 1) for line in lines.splitlines())
@@ -41,12 +42,16 @@ def doctor_cpus(prefix=()):
 
 def test_a_taskset_mask_sets_the_threads(two_cpus, demo_small, tmp_path):
     machine = os.cpu_count()
-    free = doctor_cpus()
-    assert free["affinity"] == str(machine) and free["threads"].startswith(f"{machine} per rank, from the affinity")
-    one = doctor_cpus(["taskset", "-c", "0"])
-    assert one["affinity"].startswith("1 (narrower than its parent's") and one["threads"].startswith("1 per rank")
     out = tmp_path / "run"
-    proc = run(["taskset", "-c", "0", *HVD_TRAIN, "train", "--data", demo_small, "--output", out, *AUTO])
+    # Three processes, each with its own affinity, at once (two of them on one core).
+    free, one, proc = run_at_once(
+        [*HVD_TRAIN, "doctor"],
+        ["taskset", "-c", "0", *HVD_TRAIN, "doctor"],
+        ["taskset", "-c", "0", *HVD_TRAIN, "train", "--data", demo_small, "--output", out, *AUTO],
+    )
+    free, one = doctor_cpus(proc=free), doctor_cpus(proc=one)
+    assert free["affinity"] == str(machine) and free["threads"].startswith(f"{machine} per rank, from the affinity")
+    assert one["affinity"].startswith("1 (narrower than its parent's") and one["threads"].startswith("1 per rank")
     assert proc.returncode == 0, output_of(proc)
     cpu = read_json(out / "summary.json")["cpu"]
     assert cpu["threads"] == 1 and cpu["affinity_cpus"] == 1 and cpu["affinity_own"] is True, cpu

@@ -9,7 +9,7 @@ import pytest
 
 from hvd_train.training.lr_find import centred_average, suggest
 
-from conftest import TINY, cli, output_of, read_json, write_images
+from conftest import HVD_TRAIN, TINY, cli, output_of, read_json, run_at_once, write_images
 
 SWEEP = ["--steps", "60", "--start-lr", "1e-5", "--end-lr", "10"]
 
@@ -36,12 +36,12 @@ def _rows(path):
 
 
 def test_lr_find_writes_its_sweep_and_suggests_a_rate_the_same_every_time(demo_small, tmp_path):
-    # --deterministic: the same sweep every time, one that finds a rate.
-    for out in (tmp_path / "again", tmp_path / "find"):
-        command = ["lr-find", "--data", demo_small, "--output", out, *TINY, "--val-split", "0.2", "--deterministic"]
-        proc = cli([*command, *SWEEP])
+    # --deterministic: the same sweep every time, one that finds a rate. The two sweeps run at once.
+    common = ["lr-find", "--data", demo_small, *TINY, "--val-split", "0.2", "--deterministic", *SWEEP]
+    again, out = tmp_path / "again", tmp_path / "find"
+    for proc in run_at_once(*([*HVD_TRAIN, *common, "--output", o] for o in (again, out))):
         assert proc.returncode == 0, output_of(proc)
-    assert (tmp_path / "again" / "lr_find.csv").read_text() == (out / "lr_find.csv").read_text()
+    assert (again / "lr_find.csv").read_text() == (out / "lr_find.csv").read_text()
     found = json.loads((out / "lr_find.json").read_text())
     rows = _rows(out / "lr_find.csv")
     lrs = np.array([float(r["lr"]) for r in rows])
@@ -101,21 +101,26 @@ FROZEN = ["--model", "vgg16", "--freeze-backbone", "--image-size", "32", "--batc
 FROZEN += ["--threads-per-rank", "2", "--no-tensorboard", "--val-split", "0.2", "--deterministic"]
 
 
-def test_frozen_large_feature_backbone_diverges_with_the_plain_head_at_sgd_0_01(
-    demo_small, large_feature_vgg16, tmp_path
-):
+@pytest.fixture(scope="module")
+def frozen_runs(demo_small, large_feature_vgg16, tmp_path_factory):
+    """The frozen VGG16 on those features trained two ways at once: ``{"plain": ..., "auto": ...}``, each
+    ``(output, proc)``: the plain head at the old default rate, and the default head at ``--base-lr auto``."""
+    root = tmp_path_factory.mktemp("frozen")
+    given = {"plain": ["--head-norm", "none", "--base-lr", "0.01"], "auto": ["--base-lr", "auto"]}
+    args = ["train", "--data", demo_small, "--weights", large_feature_vgg16, *FROZEN]
+    procs = run_at_once(*([*HVD_TRAIN, *args, "--output", root / name, *extra] for name, extra in given.items()))
+    return {name: (root / name, proc) for name, proc in zip(given, procs)}
+
+
+def test_frozen_large_feature_backbone_diverges_with_the_plain_head_at_sgd_0_01(frozen_runs):
     # The trap of the issue, reproduced: the plain head on these features at the old default.
-    out = tmp_path / "plain"
-    args = ["train", "--data", demo_small, "--output", out, "--weights", large_feature_vgg16, *FROZEN]
-    proc = cli([*args, "--head-norm", "none", "--base-lr", "0.01"])
+    out, proc = frozen_runs["plain"]
     assert proc.returncode == 0, output_of(proc)
     assert max(_losses(out)) > 10
 
 
-def test_frozen_large_feature_backbone_with_base_lr_auto_does_not_diverge(demo_small, large_feature_vgg16, tmp_path):
-    out = tmp_path / "auto"
-    args = ["train", "--data", demo_small, "--output", out, "--weights", large_feature_vgg16, *FROZEN]
-    proc = cli([*args, "--base-lr", "auto"])
+def test_frozen_large_feature_backbone_with_base_lr_auto_does_not_diverge(frozen_runs):
+    out, proc = frozen_runs["auto"]
     assert proc.returncode == 0, output_of(proc)
     losses = _losses(out)
     assert max(losses) < 2 * np.log(5) and losses[-1] < losses[0]
