@@ -13,7 +13,17 @@ from PIL import Image
 
 from hvd_train.config.choices import STEPS_PER_CALL
 
-from conftest import HVD_TRAIN, TINY, cli, output_of, png_with_a_corrupt_middle, read_json, run, write_images
+from conftest import (
+    HVD_TRAIN,
+    TINY,
+    cli,
+    output_of,
+    png_with_a_corrupt_middle,
+    read_json,
+    run,
+    run_at_once,
+    write_images,
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,26 +146,62 @@ def assert_one_line_error(proc, *fragments):
         assert fragment in errors[0], output_of(proc)
 
 
-def test_missing_data_folder(tmp_path):
-    proc = cli(["train", "--data", tmp_path / "nope", "--output", tmp_path / "o", *TINY])
-    assert_one_line_error(proc, "does not exist", "--data")
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Commands refused with one clear line, run at once (each process spends most of its time
+    starting TensorFlow, on one core): ``{name: (folder, proc)}``, the folder holding its inputs."""
+    from hvd_train.compat import keras
+
+    root = tmp_path_factory.mktemp("refused")
+    folders = {name: root / name.replace(" ", "-") for name in REFUSED}
+    for folder in folders.values():
+        folder.mkdir()
+    write_images(folders["single class"] / "d", {"only": 3})
+    bad = write_images(folders["bad image"] / "d", {"a": 4, "b": 4})
+    (bad / "a" / "broken.jpg").write_bytes(b"")
+    broken = write_images(folders["broken in training"] / "d", {"a": 4, "b": 4})
+    png_with_a_corrupt_middle(broken / "b" / "middle.png")
+    weights = folders["weights"] / "resnet.h5"
+    keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3)).save_weights(weights)
+    write_images(folders["weights"] / "d", {"a": 3, "b": 3})
+    commands = [[*HVD_TRAIN, *REFUSED[name](folders[name])] for name in REFUSED]
+    return dict(zip(REFUSED, zip(folders.values(), run_at_once(*commands))))
 
 
-def test_single_class_folder(tmp_path):
-    write_images(tmp_path / "d", {"only": 3})
-    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", *TINY])
-    assert_one_line_error(proc, "at least 2")
+def _train(folder, *extra, data="d"):
+    return ["train", "--data", folder / data, "--output", folder / "o", *extra]
 
 
-def test_unknown_model(tmp_path):
-    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--model", "ResNet5O"])
-    assert_one_line_error(proc, "unknown model 'ResNet5O'", "ResNet50")
+REFUSED = {
+    "missing data": lambda f: _train(f, *TINY, data="nope"),
+    "single class": lambda f: _train(f, *TINY),
+    "unknown model": lambda f: _train(f, "--model", "ResNet5O"),
+    "model names": lambda f: _train(f, "--model", "mobilenet_v2"),
+    "invalid option": lambda f: _train(f, "--val-split", "2"),
+    "elastic": lambda f: _train(f, "--elastic"),
+    "bad image": lambda f: _train(f, *TINY, "--on-bad-image", "fail"),
+    "broken in training": lambda f: _train(f, *TINY, "--val-split", "0", "--on-bad-image", "fail"),
+    "weights": lambda f: _train(f, *TINY, "--weights", f / "resnet.h5"),
+    "evaluate": lambda f: ["evaluate", "--model-dir", f, "--data", f],
+}
 
 
-def test_model_names_people_type_are_accepted(tmp_path):
+def test_missing_data_folder(refused):
+    assert_one_line_error(refused["missing data"][1], "does not exist", "--data")
+
+
+def test_single_class_folder(refused):
+    assert_one_line_error(refused["single class"][1], "at least 2")
+
+
+def test_unknown_model(refused):
+    assert_one_line_error(refused["unknown model"][1], "unknown model 'ResNet5O'", "ResNet50")
+
+
+def test_model_names_people_type_are_accepted(refused):
     # resolved before any data is read: the error is then about the data, not the name
-    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--model", "mobilenet_v2"])
-    assert_one_line_error(proc, str(tmp_path / "d"))
+    folder, proc = refused["model names"]
+    assert_one_line_error(proc, str(folder / "d"))
     assert "--model" not in proc.stderr
 
 
@@ -178,49 +224,35 @@ def test_help_lists_the_choices_of_every_option():
     assert checked >= 15
 
 
-def test_invalid_option_value(tmp_path):
-    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--val-split", "2"])
-    assert_one_line_error(proc, "`--val-split`", "val_split=2.0")
+def test_invalid_option_value(refused):
+    assert_one_line_error(refused["invalid option"][1], "`--val-split`", "val_split=2.0")
 
 
-def test_elastic_without_an_elastic_launcher_is_refused(tmp_path):
-    proc = cli(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--elastic"])
+def test_elastic_without_an_elastic_launcher_is_refused(refused):
+    folder, proc = refused["elastic"]
     assert_one_line_error(proc, "--elastic needs an elastic launcher", "--host-discovery-script")
     plain_mpirun = ["mpirun", "-np", "1", "-x", "PATH", *HVD_TRAIN]
-    proc = run([*plain_mpirun, "train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--elastic"], timeout=120)
+    proc = run([*plain_mpirun, *_train(folder, "--elastic")], timeout=120)
     assert_one_line_error(proc, "plain mpirun", "has no elastic mode", "horovodrun --min-np")
 
 
-def test_bad_image_fails_with_fail_policy(tmp_path):
-    data = write_images(tmp_path / "d", {"a": 4, "b": 4})
-    (data / "a" / "broken.jpg").write_bytes(b"")
-    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--on-bad-image", "fail"])
+def test_bad_image_fails_with_fail_policy(refused):
+    folder, proc = refused["bad image"]
     assert_one_line_error(proc, "broken.jpg", "empty file", "--on-bad-image skip")
-    assert not (tmp_path / "o" / "checkpoints").exists()
+    assert not (folder / "o" / "checkpoints").exists()
 
 
-def test_an_image_met_broken_in_training_with_fail_policy_stops_with_its_name(tmp_path):
-    data = write_images(tmp_path / "d", {"a": 4, "b": 4})
-    png_with_a_corrupt_middle(data / "b" / "middle.png")
-    proc = cli(
-        ["train", "--data", data, "--output", tmp_path / "o", *TINY, "--val-split", "0", "--on-bad-image", "fail"]
-    )
-    assert_one_line_error(proc, "middle.png", "met during training", "--on-bad-image skip")
+def test_an_image_met_broken_in_training_with_fail_policy_stops_with_its_name(refused):
+    assert_one_line_error(refused["broken in training"][1], "middle.png", "met during training", "--on-bad-image skip")
 
 
-def test_weights_that_do_not_fit(tmp_path):
-    from hvd_train.compat import keras
-
-    path = tmp_path / "resnet.h5"
-    keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3)).save_weights(path)
-    data = write_images(tmp_path / "d", {"a": 3, "b": 3})
-    proc = cli(["train", "--data", data, "--output", tmp_path / "o", *TINY, "--weights", path])
-    assert_one_line_error(proc, f"weights file {path} does not fit MobileNet")
+def test_weights_that_do_not_fit(refused):
+    folder, proc = refused["weights"]
+    assert_one_line_error(proc, f"weights file {folder / 'resnet.h5'} does not fit MobileNet")
 
 
-def test_evaluate_needs_a_finished_run(tmp_path):
-    proc = cli(["evaluate", "--model-dir", tmp_path, "--data", tmp_path])
-    assert_one_line_error(proc, "has no model.keras", "--model-dir")
+def test_evaluate_needs_a_finished_run(refused):
+    assert_one_line_error(refused["evaluate"][1], "has no model.keras", "--model-dir")
 
 
 def test_models_lists_names():
