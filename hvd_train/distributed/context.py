@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
-from hvd_train.compat import tf
+from hvd_train.compat import tf  # (Keras 2 must be in place before Horovod)
 from hvd_train.distributed import cpus
 from hvd_train.errors import UserError
 
@@ -74,8 +73,6 @@ class Context:
         if self.size == 1:
             return np.asarray(array)
         import horovod.tensorflow as hvd
-
-        from hvd_train.compat import tf
 
         return hvd.allreduce(tf.constant(array), op=hvd.Sum, name=name).numpy()
 

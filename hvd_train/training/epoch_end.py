@@ -68,7 +68,7 @@ def close_epoch(
     steps: int,
     seconds: float,
     waited,
-    held_out: HeldOut | None = None,
+    held_out: HeldOut,
 ) -> dict:
     """The logs of ``epoch``, the same on every rank; kept in ``history.epochs``.
 
@@ -76,7 +76,7 @@ def close_epoch(
         batch_size: images per worker per step.
         steps, seconds: the steps this process ran in the epoch and their time (0 when none).
         waited: seconds this rank's input waited on storage in the epoch, or None without a storage reader.
-        held_out: the held-out input kept from epoch to epoch (None: built for this call).
+        held_out: the held-out input, kept from epoch to epoch.
     """
     logs = _averaged_metrics(net, ctx)
     _report_undecodable(job, ctx, history, epoch)

@@ -74,7 +74,7 @@ class Loop:
         self.reader = None
         self._wait_before = 0.0
         self.reporters: Reporters | None = None
-        self.held_out = epoch_end.HeldOut(job) if job.val is not None else None
+        self.held_out = epoch_end.HeldOut(job)  # built at the first epoch's end that evaluates
         self._traced = False
         if self.cfg.run.sample_log:
             net.audit = SampleLog(self.cfg.run.sample_log, state, ctx)
