@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,7 +36,6 @@ def unavailable(capability: str, reason: str):
 @contextlib.contextmanager
 def small_file_system(folder: Path, size: str):
     """A tmpfs of ``size`` (``mount -o size=``) mounted at ``folder``/disk; root only (else unavailable)."""
-    import shutil
 
     if os.geteuid() != 0 or shutil.which("mount") is None:
         unavailable("root", "mounting a small tmpfs needs root")
@@ -326,3 +328,46 @@ def pytest_terminal_summary(terminalreporter):
     for path, seconds in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     terminalreporter.write_line(f"{sum(_SECONDS_PER_FILE.values()):8.1f} s  in all")
+
+
+# --- two test files at a time where they leave a core idle (pytest-xdist) ------------------------
+# `make test` runs the files on one worker per core (``-n auto --dist loadfile``: a file's module
+# fixtures are made once). A process of one rank keeps one core busy, so two such tests side by
+# side take the time of one; a job of several ranks needs every core (a rank that waits for a core
+# holds up the others in each allreduce), so a test marked ``multiprocess`` or ``alone`` runs with
+# no other test beside it. The workers share a lock: such a test holds it exclusively, any other
+# shares it. Every worker queues on a second lock first, so a waiting exclusive test is not passed
+# by the next shared ones.
+
+_CORES = "HVD_TRAIN_TEST_CORES"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[_CORES] = tempfile.mkdtemp(prefix="hvd-train-tests-")  # the workers inherit it
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and _CORES in os.environ:
+        shutil.rmtree(os.environ.pop(_CORES), ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _cores(alone=any(item.get_closest_marker(m) for m in ("multiprocess", "alone"))):
+        return (yield)
+
+
+@contextlib.contextmanager
+def _cores(alone: bool):
+    folder = os.environ.get(_CORES)
+    if folder is None:  # one worker: nothing to share
+        yield
+        return
+    with open(Path(folder) / "queue", "a") as queue, open(Path(folder) / "cores", "a") as cores:
+        fcntl.flock(queue, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(cores, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(queue, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
