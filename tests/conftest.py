@@ -334,8 +334,8 @@ def pytest_terminal_summary(terminalreporter):
 # `make test` runs the files on one worker per core (``-n auto --dist loadfile``: a file's module
 # fixtures are made once). A process of one rank keeps one core busy, so two such tests side by
 # side take the time of one; a job of several ranks needs every core (a rank that waits for a core
-# holds up the others in each allreduce), so a test marked ``multiprocess`` or ``alone`` runs with
-# no other test beside it. The workers share a lock: such a test holds it exclusively, any other
+# holds up the others in each allreduce), so a test marked ``multiprocess`` runs with no other
+# test beside it. The workers share a lock: such a test holds it exclusively, any other
 # shares it. Every worker queues on a second lock first, so a waiting exclusive test is not passed
 # by the next shared ones.
 
@@ -354,7 +354,7 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with _cores(alone=any(item.get_closest_marker(m) for m in ("multiprocess", "alone"))):
+    with _cores(alone=item.get_closest_marker("multiprocess") is not None):
         return (yield)
 
 
