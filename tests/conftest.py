@@ -36,7 +36,6 @@ def unavailable(capability: str, reason: str):
 @contextlib.contextmanager
 def small_file_system(folder: Path, size: str):
     """A tmpfs of ``size`` (``mount -o size=``) mounted at ``folder``/disk; root only (else unavailable)."""
-
     if os.geteuid() != 0 or shutil.which("mount") is None:
         unavailable("root", "mounting a small tmpfs needs root")
     mount = folder / "disk"
