@@ -25,6 +25,7 @@ test: install
 	$(BIN)/python -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
 
 # The Docker image, built from this checkout and run (root; installs docker.io).
+# `make test` runs these too where HVD_TRAIN_REQUIRE has docker (CI).
 test-docker: install
 	$(BIN)/python -m pytest -m docker tests/test_docker.py $(PYTEST_ARGS)
 

@@ -309,6 +309,21 @@ def s3_server(tmp_path_factory):
     server.stop()
 
 
+# --- the Docker image tests -----------------------------------------------------------------------
+# They build the CPU image (minutes, gigabytes): they run where a ``-m`` expression names them
+# (`make test-docker`: ``-m docker``), or where the machine must run them (HVD_TRAIN_REQUIRE has
+# docker: CI's `make test`, where those that use one core share the machine with other tests).
+
+
+def pytest_collection_modifyitems(config, items):
+    if "docker" in config.option.markexpr or "docker" in REQUIRED:
+        return
+    docker = [item for item in items if item.get_closest_marker("docker")]
+    if docker:
+        items[:] = [item for item in items if not item.get_closest_marker("docker")]
+        config.hook.pytest_deselected(items=docker)
+
+
 # --- the suite's time per file ------------------------------------------------------------------
 # Printed after every run (docs/development.md keeps the table), so a slow test file shows in review.
 

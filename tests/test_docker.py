@@ -1,4 +1,4 @@
-"""The CPU image, built from this checkout and run for real (root; `make test-docker`).
+"""The CPU image, built from this checkout and run for real (root; `make test-docker`, and in CI `make test`).
 
 The setup installs Debian's docker.io and debootstrap when missing, starts
 dockerd when none runs (and stops the one it started), and makes the base
@@ -25,7 +25,9 @@ import pytest
 
 from conftest import S3_KEY_ID, S3_SECRET, TINY, output_of, read_json, unavailable, write_images
 
-pytestmark = [pytest.mark.docker, pytest.mark.multiprocess]
+# A test whose containers run two ranks is marked multiprocess (it runs alone, as every job of
+# several ranks does); the others read the image or run one process and share the machine.
+pytestmark = pytest.mark.docker
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER_SH = REPO / "launch" / "docker.sh"
@@ -182,6 +184,7 @@ def as_caller(*args, timeout=900, **env) -> subprocess.CompletedProcess:
     return sh(*setpriv, *args, timeout=timeout, check=False, env=environment)
 
 
+@pytest.mark.multiprocess
 def test_demo_through_docker_sh_box_without_a_network_reaches_accuracy_and_outputs_belong_to_the_caller(docker, image):
     folder = caller_folder()
     try:
@@ -210,6 +213,7 @@ def test_demo_through_docker_sh_box_without_a_network_reaches_accuracy_and_outpu
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.multiprocess
 def test_two_containers_are_two_nodes_on_a_user_defined_network(docker, image, demo_small, tmp_path):
     tag = uuid.uuid4().hex[:6]
     network, worker, primary = f"hvdnet-{tag}", f"hvd-worker-{tag}", f"hvd-primary-{tag}"
@@ -241,6 +245,7 @@ def test_two_containers_are_two_nodes_on_a_user_defined_network(docker, image, d
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.multiprocess
 def test_a_container_trains_from_the_loopback_s3_server_with_credentials_by_name(docker, image, s3_server, tmp_path):
     source = write_images(tmp_path / "src", {"red": 12, "green": 12, "blue": 12})
     s3_server.client().create_bucket(Bucket="docker-train")
@@ -334,6 +339,7 @@ def mpijob_replay_parts(folder: Path, data: Path):
     return name, names, (worker_opts, worker_cmd, worker_args), (launcher_opts, launcher_cmd, [*options, "--", *tiny])
 
 
+@pytest.mark.multiprocess
 def test_the_mpijob_replayed_with_containers_trains_and_a_stopped_launcher_resumes(docker, image, demo_small):
     tag = uuid.uuid4().hex[:6]
     folder = Path("/tmp") / f"hvd-mpijob-{tag}"
