@@ -8,7 +8,7 @@ import pytest
 
 from conftest import TINY, cli, launch, output_of, read_json, write_images
 
-pytestmark = pytest.mark.multiprocess
+# Jobs of two ranks run alone (multiprocess); the one-process horovodrun check shares the machine.
 
 LAUNCHED = Path(__file__).parent / "launched"
 
@@ -38,6 +38,7 @@ def few(tmp_path_factory):
 
 
 @pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.multiprocess
 def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, few, tmp_path):
     out = tmp_path / "run"
     small = ["--precision", precision, "--batch-size", "4"]
@@ -65,6 +66,7 @@ def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, few
     assert proc.returncode == 0 and read_json(tmp_path / "eval.json")["images"] == 30, output_of(proc)
 
 
+@pytest.mark.multiprocess
 def test_an_inf_on_one_rank_lowers_the_loss_scale_and_every_rank_skips_that_step(tmp_path):
     proc = launch("horovodrun-gloo", 2, [sys.executable, LAUNCHED / "loss_scale_check.py", tmp_path])
     assert proc.returncode == 0, output_of(proc)
@@ -79,6 +81,7 @@ def test_an_inf_on_one_rank_lowers_the_loss_scale_and_every_rank_skips_that_step
     assert after["changed"] and after["loss_scale"] == skipped["loss_scale"]
 
 
+@pytest.mark.multiprocess
 def test_xla_jit_trains_with_identical_weights(demo_small, tmp_path):
     proc = train(demo_small, tmp_path / "run", tmp_path / "dump", "--xla", "jit", epochs=1)
     assert proc.returncode == 0, output_of(proc)
@@ -86,6 +89,7 @@ def test_xla_jit_trains_with_identical_weights(demo_small, tmp_path):
     assert read_json(tmp_path / "run" / "summary.json")["xla"] == "jit"
 
 
+@pytest.mark.multiprocess
 def test_xla_auto_and_horovod_tuning_options_reach_the_run_and_its_outputs(demo_small, tmp_path):
     # One job for both: each is an option passed through to a run that must train as any other.
     out = tmp_path / "run"

@@ -30,7 +30,8 @@ from hvd_train.config.choices import STEPS_PER_CALL
 
 from conftest import BIN, HVD_TRAIN, TINY, kill_group, launcher_command, output_of, read_json, run, start
 
-pytestmark = pytest.mark.multiprocess
+# Every test that starts a job of two ranks, or two processes at once, runs alone (multiprocess);
+# one process of one rank shares the machine with another test.
 
 REPO = Path(__file__).resolve().parent.parent
 EXIT_PREEMPTED = 75
@@ -196,6 +197,7 @@ def wait_for_a_save(proc, out, timeout=120, poll=0.002):
         time.sleep(poll)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tmp_path, uninterrupted):
     # As SLURM's scancel and time limit (and systemd) deliver it: to every process of the job. Each rank
     # gets it directly, and again from horovodrun (whose workers sit in a session of their own), here
@@ -229,6 +231,7 @@ def test_sigterm_to_every_process_of_a_horovodrun_job_is_one_stop(demo_small, tm
 EARLY = 3
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command("hvd-train-launch", 2), *options(demo_small, out, samples)]
@@ -243,6 +246,7 @@ def test_sigterm_to_one_worker_stops_every_rank(demo_small, tmp_path):
     check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_path):
     # Ctrl-C in a terminal, kill -- -PGID: the script's whole group. mpirun runs in a group of its
     # own, so only the script's SIGUSR1 reaches it (it would kill the ranks 2 s after a SIGTERM), and
@@ -261,6 +265,7 @@ def test_sigterm_to_the_process_group_of_launch_mpirun_script(demo_small, tmp_pa
 
 
 @pytest.mark.parametrize("how", ["process group", "launcher alone"])
+@pytest.mark.multiprocess
 def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how, demo_small, tmp_path):
     # Plain horovodrun may report 137/143 for a rank that exited 75 (and then print its traceback);
     # the script runs it as `hvd-train launch`, which ends with their 75 alone. The script execs the launcher, so the
@@ -281,6 +286,7 @@ def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how,
     check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
+@pytest.mark.multiprocess
 def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_falls_back_and_it_ends_bit_identical(
     demo_small, tmp_path
 ):
@@ -379,6 +385,7 @@ def test_a_stop_signal_while_a_rank_starts_up_is_the_first_steps_stop(demo_small
     check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_small, tmp_path):
     # Plain mpirun passes SIGTERM on after odls_base_sigkill_timeout seconds
     # and SIGKILLs as long after. Its default, 1 s, makes the test a timing
@@ -408,6 +415,7 @@ def processes_of(out):
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun-gloo", "horovodrun-mpi", "mpirun"])
+@pytest.mark.multiprocess
 def test_sigkill_of_a_worker_ends_the_job_fast_with_a_recent_checkpoint(launcher, demo_small, tmp_path):
     out, samples = tmp_path / "run", tmp_path / "samples"
     command = [*launcher_command(launcher, 2), *options(demo_small, out, samples, "--checkpoint-every", "4")]

@@ -24,7 +24,8 @@ from conftest import (
 )
 from s3proxy import CuttingProxy
 
-pytestmark = pytest.mark.multiprocess
+# The jobs of two ranks run alone (multiprocess), and so do the module's runs, made in the setup
+# of the first test; the resume test runs processes of one rank, one after the other, beside another test.
 
 # Two epochs with --deterministic: the same images in the same order give the same weights, bit for bit.
 OPTIONS = [
@@ -131,6 +132,7 @@ def runs(textures, bucket, s3_server, tmp_path_factory):
     return done, proxy.cuts
 
 
+@pytest.mark.multiprocess
 def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(runs):
     done, cuts = runs
     summaries = {kind: r.summary for kind, r in done.items()}
@@ -187,6 +189,7 @@ def test_a_run_resumes_from_s3_after_starting_on_local_disk_and_refuses_other_im
     assert (out / "checkpoints" / "epoch-0003").is_dir()
 
 
+@pytest.mark.multiprocess
 def test_server_killed_mid_training_ends_every_rank_with_a_clear_error(textures, tmp_path):
     server = S3Server(tmp_path)
     try:
