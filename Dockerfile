@@ -40,7 +40,7 @@ WORKDIR /src
 # (setup.cfg, launch/install.sh) rebuilds. The pip and Horovod wheel caches
 # live in a BuildKit cache: rebuilds skip the compile, and no layer keeps
 # them. HVD_TRAIN_CA_BUNDLE: see the top.
-COPY setup.cfg pyproject.toml ./
+COPY setup.cfg ./
 COPY launch/install.sh launch/
 COPY launch/patches/ launch/patches/
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
@@ -53,7 +53,7 @@ RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
 # 1.3 MB, not a copy of the whole venv (2.5 GB).
 FROM deps AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-COPY README.md Makefile ./
+COPY README.md Makefile pyproject.toml ./
 COPY launch/ launch/
 COPY hvd_train/ hvd_train/
 RUN --mount=type=cache,target=/root/.cache --mount=type=secret,id=ca \
