@@ -1,3 +1,6 @@
+import argparse
+import re
+
 import numpy as np
 import pytest
 
@@ -177,3 +180,74 @@ def test_head_norm_is_layer_normalisation_for_frozen_backbones_by_default(freeze
     assert ("head_norm" in names) is expected
     if expected:  # between the pooling and the new Dense layer
         assert names.index("avg_pool") < names.index("head_norm") < names.index("predictions")
+
+
+OWN = """
+import tf_keras as keras
+
+def backbone(input_shape):
+    images = keras.Input(input_shape)
+    return keras.Model(images, keras.layers.Conv2D(4, 3, strides=2, name="conv")(images))
+
+def flat(input_shape):
+    images = keras.Input(input_shape)
+    return keras.Model(images, keras.layers.GlobalAveragePooling2D()(images))
+
+def broken(input_shape):
+    raise ValueError("no such layer")
+"""
+
+
+def test_a_backbone_of_your_own_from_a_file_or_a_module(tmp_path, monkeypatch):
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "small.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    spec = get_spec("nets/small.py:backbone")
+    model = build_model(ModelConfig(name=spec.name, weights="none"), 3, 32)
+    assert model.name == "backbone_classifier" and model.output_shape == (None, 3)
+    assert model.layers[1].get_layer("conv").kernel.shape == (3, 3, 3, 4)
+    # No preprocess_input in the module: pixels are scaled to [-1, 1].
+    assert np.allclose(spec.preprocess_input()(np.array([0.0, 255.0])), [-1.0, 1.0])
+    # The same file as a module on the path, with a preprocess_input of its own.
+    (tmp_path / "nets" / "small.py").write_text(OWN + "\ndef preprocess_input(x):\n    return x / 255.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "nets"))
+    spec = get_spec("small:backbone")
+    assert np.allclose(spec.preprocess_input()(np.array([0.0, 255.0])), [0.0, 1.0])
+    weights = tmp_path / "own.weights.h5"
+    model.layers[1].save_weights(weights)
+    loaded = build_model(ModelConfig(name="small:backbone", weights=str(weights)), 3, 32)
+    assert np.array_equal(
+        loaded.layers[1].get_layer("conv").kernel.numpy(), model.layers[1].get_layer("conv").kernel.numpy()
+    )
+
+
+def test_a_relative_model_file_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    from hvd_train.config import from_sources
+
+    monkeypatch.chdir(tmp_path)
+    flags = {"data.train": "d", "run.output": "o", "model.name": "nets/a.py:f", "model.weights": "none"}
+    cfg = from_sources(argparse.Namespace(**flags))
+    assert cfg.model.name == f"{tmp_path / 'nets' / 'a.py'}:f"
+    # Its default --weights imagenet is refused at once, naming the fix.
+    with pytest.raises(UserError, match=re.escape("weights='imagenet'; --model nets/a.py:f is a backbone of your own")):
+        from_sources(argparse.Namespace(**{"data.train": "d", "run.output": "o", "model.name": "nets/a.py:f"}))
+
+
+@pytest.mark.parametrize(
+    "name, weights, message",
+    [
+        ("nets/nope.py:backbone", "none", "the file nets/nope.py does not exist"),
+        ("no_such_module_here:backbone", "none", "importing no_such_module_here failed: ModuleNotFoundError"),
+        ("nets/small.py:other", "none", "nets/small.py has no function other"),
+        ("nets/small.py:", "none", "FILE.py:FUNCTION or PACKAGE.MODULE:FUNCTION"),
+        ("nets/small.py:backbone", "imagenet", "no ImageNet weights; pass --weights none"),
+        ("nets/small.py:flat", "none", "whose output is feature maps (batch, height, width, channels)"),
+        ("nets/small.py:broken", "none", "failed to build at input (32, 32, 3): ValueError: no such layer"),
+    ],
+)
+def test_a_backbone_of_your_own_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch, name, weights, message):
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "small.py").write_text(OWN)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=re.escape(message)):
+        build_model(ModelConfig(name=get_spec(name).name, weights=weights), 3, 32)

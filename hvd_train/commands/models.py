@@ -14,4 +14,5 @@ def run(args) -> int:
     for name, spec in sorted(available_models().items()):
         print(f"{name:<20} default input {spec.default_size}x{spec.default_size}")
     print("Names are matched ignoring case, '_' and '-' (resnet50, mobilenet_v2, efficientnet-b0).")
+    print("A backbone of your own: --model FILE.py:FUNCTION or MODULE:FUNCTION (docs/training.md).")
     return 0

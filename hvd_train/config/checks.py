@@ -9,6 +9,7 @@ from typing import Any
 from hvd_train.config.choices import TrainConfig
 from hvd_train.data.storage import redact_url
 from hvd_train.errors import UserError
+from hvd_train.model import own
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -27,6 +28,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "--s3-endpoint",
         redact_url(d.s3_endpoint),
         "give a URL such as http://127.0.0.1:9000",
+    )
+    _require(
+        not (own.is_own(m.name) and m.weights == "imagenet"),
+        "--weights",
+        m.weights,
+        f"--model {m.name} is a backbone of your own, without ImageNet weights: pass none, or a weights file of it",
     )
     _require(m.trainable_layers >= 0, "--trainable-layers", m.trainable_layers, "use a number >= 0")
     _require(0.0 <= m.dropout < 1.0, "--dropout", m.dropout, "use a rate in [0, 1)")

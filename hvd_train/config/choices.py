@@ -33,7 +33,8 @@ XLA_MODES = ("off", "auto", "jit")
 ALPHA_BACKGROUNDS = ("white", "black", "gray")  # data.images.ALPHA_BACKGROUNDS
 MODEL_HELP = (
     "a keras.applications model: ResNet50, resnet50, mobilenet_v2, EfficientNetB0, efficientnet-b0, ... "
-    "(case, '_' and '-' ignored; `hvd-train models` lists them all)"
+    "(case, '_' and '-' ignored; `hvd-train models` lists them all), or a backbone of your own: "
+    "FILE.py:FUNCTION or MODULE:FUNCTION (docs/training.md)"
 )
 
 
@@ -117,7 +118,8 @@ class ModelConfig:
     """The network: a keras.applications backbone and a new classification head.
 
     Attributes:
-        name: a ``keras.applications`` model name (``hvd-train models``).
+        name: a ``keras.applications`` model name (``hvd-train models``), or
+            ``FILE.py:FUNCTION`` / ``MODULE:FUNCTION``: a backbone of the user's own (``model.own``).
         weights: ``imagenet``, ``none`` or the path of a backbone weights file.
         freeze_backbone: train only the new head.
         trainable_layers: train only the last N backbone layers (0: all).

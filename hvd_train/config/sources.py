@@ -13,6 +13,7 @@ import yaml
 from hvd_train.config.checks import validate
 from hvd_train.config.choices import TrainConfig
 from hvd_train.errors import UserError
+from hvd_train.model import own
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -95,7 +96,11 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
         if "." in key:
             section, name = key.split(".", 1)
             values[section][name] = value
-    return validate(build(values))
+    cfg = validate(build(values))
+    # A model file of the user's own is recorded by its absolute path: predict, export and a resume
+    # find it from any folder.
+    name = own.absolute(cfg.model.name) if own.is_own(cfg.model.name) else cfg.model.name
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name))
 
 
 def build(values: dict[str, dict[str, Any]]) -> TrainConfig:

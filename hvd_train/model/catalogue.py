@@ -2,6 +2,7 @@
 
 Any model of ``keras.applications`` is available by its name; the list is
 read from Keras itself, so a new Keras release brings its new models along.
+A backbone of the user's own is named ``FILE.py:FUNCTION`` (``model.own``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from hvd_train.compat import keras, tf
 from hvd_train.config import ModelConfig
 from hvd_train.errors import UserError
+from hvd_train.model import own
 
 # Input sizes the ImageNet weights were trained at, where they differ from 224.
 _DEFAULT_SIZES = {
@@ -65,16 +67,18 @@ class ModelSpec:
         constructor: the function that builds it.
         module: the module holding it and its ``preprocess_input``.
         default_size: input side its ImageNet weights were trained at.
+        preprocess: the preprocessing of a model of the user's own (None: the module's, by ``fast_preprocess``).
     """
 
     name: str
     constructor: Callable
     module: str
     default_size: int
+    preprocess: Callable | None = None
 
     def preprocess_input(self):
         """The model's ``preprocess_input``, as a fast equivalent where there is one (see ``fast_preprocess``)."""
-        return fast_preprocess(self.module)
+        return self.preprocess or fast_preprocess(self.module)
 
 
 _MEAN_BGR = (103.939, 116.779, 123.68)
@@ -144,10 +148,17 @@ def get_spec(name: str) -> ModelSpec:
     ``efficientnet-b0`` all name a model: case, ``_``, ``-``, spaces and
     dots are ignored.
 
+    ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` names a backbone of the
+    user's own (``model.own``); its module's ``preprocess_input`` prepares the
+    pixels, or they are scaled to [-1, 1].
+
     Raises:
         UserError: no model, or several, answer to the name; the message
             lists the candidates.
     """
+    if own.is_own(name):
+        builder, module, preprocess = own.load(name)
+        return ModelSpec(name, own.constructor(name, builder), module, 224, preprocess or _tf_mode)
     specs = available_models()
     if name in specs:
         return specs[name]
@@ -234,6 +245,8 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
             weights=None if weights == "none" else weights,
             input_shape=(image_size, image_size, 3),
         )
+    except UserError:
+        raise
     except Exception as e:  # Keras raises bare Exception for download failures
         raise _weights_error(e, spec, cfg.weights, image_size) from None
     mode, momentum = resolve_bn(cfg)
@@ -257,7 +270,8 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
     if cfg.dropout:
         x = keras.layers.Dropout(cfg.dropout, name="head_dropout")(x)
     outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(x)
-    return keras.Model(inputs, outputs, name=f"{spec.name}_classifier")
+    # A model of the user's own is named after its function (a path is no Keras name).
+    return keras.Model(inputs, outputs, name=f"{spec.name.rpartition(':')[2]}_classifier")
 
 
 def _weights_error(e: Exception, spec: ModelSpec, weights: str, image_size: int) -> UserError:
