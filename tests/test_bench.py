@@ -2,9 +2,9 @@
 
 import pytest
 
-from conftest import HVD_TRAIN, cli, launch, output_of, read_json
+from conftest import HVD_TRAIN, TINY, cli, launch, output_of, read_json
 
-SMALL = ["--model", "MobileNetV2", "--image-size", "32", "--batch-size", "4", "--warmup-batches", "2"]
+SMALL = [*TINY[:2], "--image-size", "32", "--batch-size", "4", "--warmup-batches", "2"]
 SMALL += ["--batches-per-iter", "3", "--iters", "2", "--threads-per-rank", "1"]
 
 

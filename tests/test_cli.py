@@ -16,6 +16,7 @@ from hvd_train.config.choices import STEPS_PER_CALL
 from conftest import (
     HVD_TRAIN,
     TINY,
+    TINY_APP,
     cli,
     output_of,
     png_with_a_corrupt_middle,
@@ -181,7 +182,7 @@ REFUSED = {
     "elastic": lambda f: _train(f, "--elastic"),
     "bad image": lambda f: _train(f, *TINY, "--on-bad-image", "fail"),
     "broken in training": lambda f: _train(f, *TINY, "--val-split", "0", "--on-bad-image", "fail"),
-    "weights": lambda f: _train(f, *TINY, "--weights", f / "resnet.h5"),
+    "weights": lambda f: _train(f, *TINY_APP, "--weights", f / "resnet.h5"),
     "evaluate": lambda f: ["evaluate", "--model-dir", f, "--data", f],
 }
 
@@ -258,6 +259,7 @@ def test_evaluate_needs_a_finished_run(refused):
 def test_models_lists_names():
     proc = cli(["models"])
     assert proc.returncode == 0 and "ResNet50 " in proc.stdout and "EfficientNetB0" in proc.stdout
+    assert "--model FILE.py:FUNCTION" in proc.stdout
 
 
 def test_batch_size_must_be_positive(trained_run, demo_small):

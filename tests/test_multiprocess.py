@@ -85,7 +85,7 @@ def gloo_run(demo_small, tmp_path_factory):
 
 def check_identical_and_exact(out, dump, proc, global_batch=16):
     w0, w1 = rank_weights(dump, 0), rank_weights(dump, 1)
-    assert len(w0) == len(w1) > 100
+    assert len(w0) == len(w1) > 10  # TINY has 17: 3 kernels, 4 arrays per BatchNorm, the head's 2
     assert all(np.array_equal(a, b) for a, b in zip(w0, w1)), "ranks ended with different weights"
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch"] == global_batch

@@ -143,8 +143,8 @@ def test_changed_images_are_refused_unless_allowed_and_then_the_epoch_starts_ove
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """An 80 MB tmpfs: room for a run of TINY's MobileNet (25 MB a checkpoint) and its next checkpoint."""
-    with small_file_system(tmp_path, "80m") as mount:
+    """An 8 MB tmpfs: room for a run of TINY (under 100 KB a checkpoint), filled in moments."""
+    with small_file_system(tmp_path, "8m") as mount:
         yield mount
 
 

@@ -13,6 +13,7 @@ from conftest import (
     HVD_TRAIN,
     S3_KEY_ID,
     S3_SECRET,
+    TINY,
     S3Server,
     kill_group,
     launcher_command,
@@ -29,6 +30,7 @@ from s3proxy import CuttingProxy
 
 # Two epochs with --deterministic: the same images in the same order give the same weights, bit for bit.
 OPTIONS = [
+    *TINY[:2],  # the tests' own backbone
     "--weights",
     "none",
     "--image-size",

@@ -114,7 +114,7 @@ def uninterrupted(cluster, demo_small, tmp_path_factory):
     assert sorted(re.findall(r"rank (\d)/2 dumped \d+ arrays on node (n\d)", log)) == [("0", "n1"), ("1", "n2")], log
     assert "slurm.sbatch: job " in log and ": 2 rank(s) on n1,n2" in log, log
     with np.load(dump / "weights-rank0.npz") as f0, np.load(dump / "weights-rank1.npz") as f1:
-        assert len(f0.files) == len(f1.files) > 100
+        assert len(f0.files) == len(f1.files) > 10  # TINY has 17: 3 kernels, 4 arrays per BatchNorm, the head's 2
         assert all(np.array_equal(f0[k], f1[k]) for k in f0.files), "ranks ended with different weights"
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["weights_identical_across_ranks"] is True
