@@ -28,7 +28,7 @@ import pytest
 
 from hvd_train.config.choices import STEPS_PER_CALL
 
-from conftest import BIN, HVD_TRAIN, TINY, kill_group, launcher_command, output_of, read_json, run, start
+from conftest import BIN, HVD_TRAIN, TINY, TINY_APP, kill_group, launcher_command, output_of, read_json, run, start
 
 # Every test that starts a job of two ranks, or two processes at once, runs alone (multiprocess);
 # one process of one rank shares the machine with another test.
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXIT_PREEMPTED = 75
 
 
-def options(data, out, samples, *extra):
+def options(data, out, samples, *extra, tiny=TINY):
     return [
         *HVD_TRAIN,
         "train",
@@ -45,7 +45,7 @@ def options(data, out, samples, *extra):
         data,
         "--output",
         out,
-        *TINY,
+        *tiny,
         "--epochs",
         "3",
         "--val-split",
@@ -293,13 +293,15 @@ def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_fall
     # Two epochs of 12 steps, run 2 per call (the uninterrupted run: the default): the signal after
     # step 4 is agreed in the call of steps 5-6 or 7-8 and read after the next, so the stop (step 8 or
     # 10) is inside the first epoch, and the reruns go on into the second. The uninterrupted run to
-    # compare with trains meanwhile: one process each, both cores work.
+    # compare with trains meanwhile: one process each, both cores work. MobileNet's steps, not the
+    # tests' backbone's: the stop must land inside the epoch, and those went by before the test had
+    # read step 4 (the stop came after step 12).
     two = ("--epochs", "2")
     straight_out, straight_samples = tmp_path / "straight", tmp_path / "straight-samples"
-    straight = start(options(demo_small, straight_out, straight_samples, *two))
+    straight = start(options(demo_small, straight_out, straight_samples, *two, tiny=TINY_APP))
     try:
         out, samples = tmp_path / "run", tmp_path / "samples"
-        command = options(demo_small, out, samples, *two, "--steps-per-call", "2")
+        command = options(demo_small, out, samples, *two, "--steps-per-call", "2", tiny=TINY_APP)
         proc = start(command)
         at = wait_for_steps(proc, samples, 4)
         os.killpg(proc.pid, signal.SIGTERM)
