@@ -353,6 +353,31 @@ def test_a_stop_held_back_while_the_export_is_put_in_place_ends_after_it(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no old export or staging folder left"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost stop, by design
+def test_a_stop_lost_in_a_finalizer_still_stops_the_export_before_the_swap(tmp_path):
+    # Seen once in a whole run: the SIGTERM's handler ran while TensorFlow freed a converted function
+    # (a __del__), where Python only prints what is raised, and the export went on to replace the
+    # earlier one and exit 0.
+    from hvd_train.results.export import folder as exporting
+
+    folder, staging = tmp_path / "export", tmp_path / "export.tmp-1"
+    for path, text in ((folder, "old"), (staging, "new")):
+        path.mkdir()
+        (path / "manifest.json").write_text(text)
+
+    class Freed:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the finalizer
+            sum(range(10))
+
+    with pytest.raises(exporting.Stopped, match="before it was complete") as stopped:
+        with exporting.stops_as_errors(str(folder)) as stops:
+            Freed()  # freed at once: its finalizer swallows the stop's exception
+            exporting.replace(str(staging), str(folder), stops)
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert (folder / "manifest.json").read_text() == "old", "the earlier export is left as it was"
+
+
 def test_a_stop_while_a_converter_calls_the_model_is_the_export_stop(tmp_path):
     # Keras turns what a layer's call raises into a new exception (a RuntimeError when it cannot
     # make one of the same class): the stop must still end the export as a stop.

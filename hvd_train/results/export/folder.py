@@ -179,6 +179,7 @@ class _Stops:
     def __init__(self):
         self.committed = False
         self.pending: int | None = None
+        self.raised: int | None = None  # a stop raised before the swap
 
 
 @contextlib.contextmanager
@@ -198,6 +199,7 @@ def stops_as_errors(folder: str):
         if stops.committed:  # the swap has begun: it ends first, and the stop after it
             stops.pending = signum
             return
+        stops.raised = signum
         raise _Signalled(signum)
 
     before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -220,7 +222,13 @@ def replace(staging: str, folder: str, stops: _Stops) -> None:
     end first. A signal may reach any thread of the process, and Python runs
     the handler in the main thread at its next instruction whatever that
     thread's signal mask, so the flag, not a mask, is what holds it.
+
+    A stop raised before, but lost on its way (Python only prints an
+    exception raised in a finalizer, such as TensorFlow's when it frees a
+    converted function), stops the export here, before anything is moved.
     """
+    if stops.raised is not None:
+        raise _Signalled(stops.raised)
     stops.committed = True
     old = None
     if os.path.exists(folder):
