@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
+import signal
 import sys
 import threading
 
@@ -137,6 +139,13 @@ def _main(argv: list[str] | None) -> int:
         code, agreed = e.exit_code, e.agreed
     except KeyboardInterrupt:
         code, agreed = 130, False
+    except BrokenPipeError:
+        if not _stdout_gone():
+            logger.exception("unexpected error")
+            code, agreed = 1, False
+        else:  # `hvd-train predict ... | head`: the reader has what it wanted; end quietly, as Unix tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code, agreed = 128 + signal.SIGPIPE, False
     except Exception:
         logger.exception("unexpected error")
         code, agreed = 1, False
@@ -145,6 +154,16 @@ def _main(argv: list[str] | None) -> int:
 
         abort(code)
     return code
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

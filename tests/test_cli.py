@@ -4,6 +4,8 @@ import csv
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -185,6 +187,25 @@ REFUSED = {
     "weights": lambda f: _train(f, *TINY_APP, "--weights", f / "resnet.h5"),
     "evaluate": lambda f: ["evaluate", "--model-dir", f, "--data", f],
 }
+
+
+def test_predict_into_a_pipe_whose_reader_is_gone_ends_quietly(trained_run, demo_small):
+    # `hvd-train predict ... | head`: the reader closed its end before the rows came.
+    out, _ = trained_run
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [*HVD_TRAIN, "predict", "--model-dir", out, demo_small],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-4000:]
 
 
 def test_missing_data_folder(refused):

@@ -108,6 +108,8 @@ def _write_rows(args, files: list[str], gathered: list) -> None:
             if path in by_path:
                 _, label, prob = by_path[path]
                 writer.writerow([path, label, f"{prob:.6f}"])
+        if out is None:
+            sys.stdout.flush()  # a reader gone (| head) is met here, not in the interpreter's exit
     finally:
         if out:
             out.close()
