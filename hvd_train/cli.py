@@ -139,16 +139,14 @@ def _main(argv: list[str] | None) -> int:
         code, agreed = e.exit_code, e.agreed
     except KeyboardInterrupt:
         code, agreed = 130, False
-    except BrokenPipeError:
-        if not _stdout_gone():
-            logger.exception("unexpected error")
-            code, agreed = 1, False
-        else:  # `hvd-train predict ... | head`: the reader has what it wanted; end quietly, as Unix tools do
+    except Exception as e:
+        if isinstance(e, BrokenPipeError) and _stdout_gone():
+            # `hvd-train predict ... | head`: the reader has what it wanted; end quietly, as Unix tools do.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             code, agreed = 128 + signal.SIGPIPE, False
-    except Exception:
-        logger.exception("unexpected error")
-        code, agreed = 1, False
+        else:
+            logger.exception("unexpected error")
+            code, agreed = 1, False
     if size > 1 and not agreed:
         from hvd_train.distributed.exits import abort
 

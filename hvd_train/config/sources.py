@@ -99,8 +99,7 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
     cfg = validate(build(values))
     # A model file of the user's own is recorded by its absolute path: predict, export and a resume
     # find it from any folder.
-    name = own.absolute(cfg.model.name) if own.is_own(cfg.model.name) else cfg.model.name
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=own.absolute(cfg.model.name)))
 
 
 def build(values: dict[str, dict[str, Any]]) -> TrainConfig:

@@ -25,7 +25,7 @@ def is_own(name: str) -> bool:
 
 
 def absolute(name: str) -> str:
-    """``name`` with a relative ``FILE.py`` made absolute, so a run's configuration names it from anywhere."""
+    """``name`` with a relative ``FILE.py`` made absolute (any other name as it is): a run names it from anywhere."""
     where, _, function = name.rpartition(":")
     if where.endswith(".py") and not os.path.isabs(where):
         return f"{os.path.abspath(where)}:{function}"
