@@ -2,10 +2,10 @@
 
 import csv
 import json
-import sys
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from hvd_train.training.lr_find import centred_average, suggest
 
@@ -79,14 +79,28 @@ def test_bad_sweep_arguments(demo_small, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def large_feature_vgg16(demo_small, tmp_path_factory):
-    """A VGG16 backbone whose pooled features have an L2 norm of about 100 (as large as a pretrained VGG16's
-    that made the default SGD diverge on a linear head)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks"))
-    from recipes import vgg16_weights
+def large_features(demo_small, tmp_path_factory):
+    """Weights of the tests' backbone whose pooled features have an L2 norm of about 100, as large as a
+    pretrained VGG16's (the backbone that made the default SGD diverge on a linear head)."""
+    from tiny_net import backbone
 
-    path = tmp_path_factory.mktemp("vgg") / "vgg16-notop.weights.h5"
-    assert vgg16_weights(str(path), 32, str(demo_small)) == pytest.approx(100, rel=0.05)
+    from hvd_train import compat  # noqa: F401
+    from hvd_train.compat import keras
+    from hvd_train.model.catalogue import get_spec
+
+    keras.utils.set_random_seed(0)
+    model = backbone((32, 32, 3))
+    files = sorted(demo_small.rglob("*.png"))[::5]
+    images = np.stack([np.asarray(Image.open(f).convert("RGB").resize((32, 32)), np.float32) for f in files])
+    pixels = get_spec(TINY[1]).preprocess_input()(images)
+    norm = lambda: float(np.linalg.norm(np.mean(model(pixels, training=False), axis=(1, 2)), axis=1).mean())  # noqa: E731
+    last = model.get_layer("bn2")  # BatchNorm then ReLU: scaling its gamma and beta scales the features
+    gamma, beta, *moving = last.get_weights()
+    scale = 100 / norm()
+    last.set_weights([gamma * scale, beta * scale, *moving])
+    assert norm() == pytest.approx(100, rel=0.05)
+    path = tmp_path_factory.mktemp("large") / "tiny.weights.h5"
+    model.save_weights(path)
     return path
 
 
@@ -94,20 +108,19 @@ def _losses(out):
     return [float(r["loss"]) for r in _rows(out / "metrics.csv")]
 
 
-FROZEN = ["--model", "vgg16", "--freeze-backbone", "--image-size", "32", "--batch-size", "8", "--epochs", "3"]
+FROZEN = [*TINY, "--freeze-backbone", "--epochs", "3", "--val-split", "0.2", "--deterministic"]
 # --deterministic: the same run every time. Without it, thread timing alone
 # left the auto rate's 3 epochs flat (last loss above the first) in about one
 # run of three.
-FROZEN += ["--threads-per-rank", "2", "--no-tensorboard", "--val-split", "0.2", "--deterministic"]
 
 
 @pytest.fixture(scope="module")
-def frozen_runs(demo_small, large_feature_vgg16, tmp_path_factory):
-    """The frozen VGG16 on those features trained two ways at once: ``{"plain": ..., "auto": ...}``, each
+def frozen_runs(demo_small, large_features, tmp_path_factory):
+    """The frozen backbone with those features trained two ways at once: ``{"plain": ..., "auto": ...}``, each
     ``(output, proc)``: the plain head at the old default rate, and the default head at ``--base-lr auto``."""
     root = tmp_path_factory.mktemp("frozen")
     given = {"plain": ["--head-norm", "none", "--base-lr", "0.01"], "auto": ["--base-lr", "auto"]}
-    args = ["train", "--data", demo_small, "--weights", large_feature_vgg16, *FROZEN]
+    args = ["train", "--data", demo_small, *FROZEN, "--weights", large_features]
     procs = run_at_once(*([*HVD_TRAIN, *args, "--output", root / name, *extra] for name, extra in given.items()))
     return {name: (root / name, proc) for name, proc in zip(given, procs)}
 
