@@ -210,9 +210,17 @@ TINY = [
     "1",
 ]
 
+
+def tiny_in(folder: Path, seen_as: str | None = None) -> list[str]:
+    """TINY with the backbone's file copied into ``folder``, for runs that see only that folder (in a
+    container, at ``seen_as``: by default the same path)."""
+    shutil.copy(Path(__file__).parent / "tiny_net.py", folder / "tiny_net.py")
+    return [*TINY[:1], f"{seen_as or folder}/tiny_net.py:backbone", *TINY[2:]]
+
+
 # TINY with a Keras application, the smallest graph of them (MobileNet V1), where the tests' own
-# backbone will not do: the Docker image's runs (the image holds the package, not the tests), a
-# ResNet50 weights file that does not fit, and stop tests whose window of steps was timed for it.
+# backbone will not do: a ResNet50 weights file that does not fit, and a stop test whose window of
+# steps was timed for it.
 TINY_APP = [*TINY[:1], "MobileNet", *TINY[2:]]
 
 

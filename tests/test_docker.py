@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import S3_KEY_ID, S3_SECRET, TINY_APP, output_of, read_json, unavailable, write_images
+from conftest import S3_KEY_ID, S3_SECRET, output_of, read_json, tiny_in, unavailable, write_images
 
 # A test whose containers run two ranks is marked multiprocess (it runs alone, as every job of
 # several ranks does); the others read the image or run one process and share the machine.
@@ -231,7 +231,7 @@ def test_two_containers_are_two_nodes_on_a_user_defined_network(docker, image, d
         sh("bash", DOCKER_SH, "worker", "--name", worker, *common, env={**os.environ, "DOCKER": docker})
         proc = sh("bash", DOCKER_SH, "primary", "--name", primary, *common, "--hosts", f"{primary}:1,{worker}:1",
                   "--network-interface", "eth0", "--", "train", "--data", folder / "data", "--output", folder / "run",
-                  *TINY_APP, "--val-split", "0.2", "--epochs", "2",
+                  *tiny_in(folder), "--val-split", "0.2", "--epochs", "2",
                   timeout=900, check=False, env={**os.environ, "DOCKER": docker})  # fmt: skip
         assert proc.returncode == 0, output_of(proc)
         summary = read_json(folder / "run" / "summary.json")
@@ -254,7 +254,7 @@ def test_a_container_trains_from_the_loopback_s3_server_with_credentials_by_name
     folder.mkdir()
     env = {**os.environ, **s3_server.env, "DOCKER": docker}
     args = ["box", "--image", image, "--np", "2", "--mount", folder, "--", "train", "--data", "s3://docker-train/train/",
-            "--val-split", "0.25", "--output", folder / "run", *TINY_APP, "--epochs", "1"]  # fmt: skip
+            "--val-split", "0.25", "--output", folder / "run", *tiny_in(folder), "--epochs", "1"]  # fmt: skip
     try:
         dry = sh("bash", DOCKER_SH, *args, env={**env, "DRY_RUN": "1"})
         assert "-e AWS_SECRET_ACCESS_KEY" in dry.stderr and "-e AWS_ENDPOINT_URL" in dry.stderr
@@ -305,6 +305,7 @@ def mpijob_replay_parts(folder: Path, data: Path):
     # Where each rank ran: the launcher's HVD_TRAIN (launch/mpirun.sh's program) notes it first.
     (runs / "rank.sh").write_text('#!/bin/sh\nhostname > "/runs/host-$OMPI_COMM_WORLD_RANK"\nexec hvd-train "$@"\n')
     (runs / "rank.sh").chmod(0o755)
+    tiny = tiny_in(runs, "/runs")
     sh("chown", "-R", "1000:1000", runs)
 
     def container(role):
@@ -334,9 +335,10 @@ def mpijob_replay_parts(folder: Path, data: Path):
     at = launcher_args.index("--")
     options = launcher_args[:at]
     options[options.index("--np") + 1] = str(workers)
-    tiny = ["train", "--data", "/runs/data", "--output", "/runs/run", *TINY_APP, "--val-split", "0.2", "--epochs", "2",
-            "--deterministic", "--sample-log", "/runs/samples"]  # fmt: skip
-    return name, names, (worker_opts, worker_cmd, worker_args), (launcher_opts, launcher_cmd, [*options, "--", *tiny])
+    # 6 epochs of 6 quick steps: the stop, asked for after step 8, lands well before the end.
+    train = ["train", "--data", "/runs/data", "--output", "/runs/run", *tiny, "--val-split", "0.2", "--epochs", "6",
+             "--deterministic", "--sample-log", "/runs/samples"]  # fmt: skip
+    return name, names, (worker_opts, worker_cmd, worker_args), (launcher_opts, launcher_cmd, [*options, "--", *train])
 
 
 @pytest.mark.multiprocess
