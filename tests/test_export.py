@@ -19,6 +19,7 @@ import pytest
 
 from conftest import (
     HVD_TRAIN,
+    TINY,
     cli,
     kill_group,
     output_of,
@@ -64,11 +65,11 @@ def large_colours(colours, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mobilenet_run(colours, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mobilenet") / "run"
-    # A rate at which these few steps (6 an epoch) converge on any CPU: 0.05 diverged on some (oneDNN
-    # computes a little differently on each instruction set), 0.01 reaches 1.0 from the 7th epoch.
-    program = ["--model", "MobileNetV2", "--batch-size", "8", "--epochs", "12", "--base-lr", "0.01", "--deterministic"]
+def colour_run(colours, tmp_path_factory):
+    """The tests' backbone trained on the colours: its exports are quick, and the Keras applications'
+    exports are the other backbones' below."""
+    out = tmp_path_factory.mktemp("colour_run") / "run"
+    program = ["--model", TINY[1], "--batch-size", "8", "--epochs", "6", "--base-lr", "0.01", "--deterministic"]
     train(colours, out, *program)
     # A network that tells the classes apart: an untrained one answers ~1/3 everywhere, and
     # every export would agree with it trivially.
@@ -81,7 +82,7 @@ def export(run_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def exports(mobilenet_run, colours, tmp_path_factory):
+def exports(colour_run, colours, tmp_path_factory):
     """The run exported three ways with --check, at once (each process mostly waits on one core):
     ``{"every format": (folder, proc), "float16": ..., "int8": ...}``.
 
@@ -101,7 +102,7 @@ def exports(mobilenet_run, colours, tmp_path_factory):
         "int8": [*quantized, "int8", "--calibration-data", calibration],
     }
     folders = {name: root / name.replace(" ", "-") / "export" for name in extra}
-    procs = run_at_once(*([*HVD_TRAIN, "export", mobilenet_run, "--output", folders[n], *extra[n]] for n in extra))
+    procs = run_at_once(*([*HVD_TRAIN, "export", colour_run, "--output", folders[n], *extra[n]] for n in extra))
     return {name: (folders[name], proc) for name, proc in zip(extra, procs)}
 
 
@@ -113,10 +114,10 @@ def exported(exports):
     return folder, proc
 
 
-def test_every_format_answers_as_predict_does(mobilenet_run, exported, colours, tmp_path):
+def test_every_format_answers_as_predict_does(colour_run, exported, colours, tmp_path):
     folder, proc = exported
     manifest = read_json(folder / "manifest.json")
-    summary = read_json(mobilenet_run / "summary.json")
+    summary = read_json(colour_run / "summary.json")
     assert manifest["source"]["weights_digest"] == summary["weights_digest"]
     assert [e["path"] for e in manifest["formats"]] == ["saved_model/1", "model.tflite", "model.onnx"]
     # Every file of the folder, with its SHA-256.
@@ -142,7 +143,7 @@ def test_every_format_answers_as_predict_does(mobilenet_run, exported, colours, 
     # BMP, an RGBA PNG with a transparent corner), class names out, the answers of `hvd-train predict`.
     images = _client_images(colours, tmp_path / "client")
     predicted, done = run_at_once(
-        [*HVD_TRAIN, "predict", "--model-dir", mobilenet_run, *images, "--output", tmp_path / "p.csv"],
+        [*HVD_TRAIN, "predict", "--model-dir", colour_run, *images, "--output", tmp_path / "p.csv"],
         [sys.executable, "-c", SERVE, folder / "saved_model" / "1", *images],
     )
     assert predicted.returncode == 0, output_of(predicted)
@@ -156,9 +157,9 @@ def test_every_format_answers_as_predict_does(mobilenet_run, exported, colours, 
     assert all(label == "red" and p > 0.5 for label, p in served), served
 
     # The run's report lists the export with its parity.
-    proc = cli(["report", mobilenet_run])
+    proc = cli(["report", colour_run])
     assert proc.returncode == 0, output_of(proc)
-    page = (mobilenet_run / "report.html").read_text()
+    page = (colour_run / "report.html").read_text()
     assert "Exports (hvd-train export)" in page and "model.onnx" in page and "passed" in page
 
 
@@ -189,13 +190,13 @@ print(json.dumps([[n, float(p)] for n, p in zip(names, out["top_k_scores"].numpy
 
 
 @pytest.mark.parametrize("quantize", ["float16", "int8"])
-def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(quantize, mobilenet_run, exports):
+def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(quantize, colour_run, exports):
     folder, proc = exports[quantize]
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, output_of(proc)
     manifest = read_json(folder / "manifest.json")
     names = [f"model-{quantize}.tflite", f"model-{quantize}.onnx"]
     assert [e["path"] for e in manifest["formats"]] == names
-    assert all((folder / n).stat().st_size < (mobilenet_run / "model.keras").stat().st_size / 1.5 for n in names)
+    assert all((folder / n).stat().st_size < (colour_run / "model.keras").stat().st_size / 1.5 for n in names)
     for result in manifest["check"]["formats"]:
         assert result["passed"], result
         assert result["top1_agreement"] >= (0.98 if quantize == "int8" else 0.995)
@@ -271,8 +272,8 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, bac
         assert not any(t.data_type == onnx.TensorProto.FLOAT16 for t in graph.initializer), "float32 weights"
 
 
-def test_bad_input_is_one_clear_line_and_leaves_no_export(mobilenet_run, tmp_path):
-    proc = export(mobilenet_run, "--format", "savedmodel,pdf")  # refused before TensorFlow loads
+def test_bad_input_is_one_clear_line_and_leaves_no_export(colour_run, tmp_path):
+    proc = export(colour_run, "--format", "savedmodel,pdf")  # refused before TensorFlow loads
     assert proc.returncode == 2 and "unknown format 'pdf'" in proc.stderr and "savedmodel,tflite,onnx" in proc.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -284,9 +285,9 @@ def test_bad_input_is_one_clear_line_and_leaves_no_export(mobilenet_run, tmp_pat
     # Each of these stops at its own first error, after TensorFlow has loaded: they run at once.
     no_run, no_calibration, not_theirs = run_at_once(
         [*HVD_TRAIN, "export", empty],
-        [*HVD_TRAIN, "export", mobilenet_run, "--output", folder, "--format", "tflite", "--quantize", "int8",
+        [*HVD_TRAIN, "export", colour_run, "--output", folder, "--format", "tflite", "--quantize", "int8",
          "--calibration-data", empty],
-        [*HVD_TRAIN, "export", mobilenet_run, "--output", theirs, "--format", "tflite"],
+        [*HVD_TRAIN, "export", colour_run, "--output", theirs, "--format", "tflite"],
     )  # fmt: skip
     assert no_run.returncode != 0 and "has no model.keras" in no_run.stderr, output_of(no_run)
     assert "Traceback" not in no_run.stderr
@@ -299,7 +300,7 @@ def test_bad_input_is_one_clear_line_and_leaves_no_export(mobilenet_run, tmp_pat
 
 
 def test_a_stopped_export_leaves_the_earlier_one_as_it_was_and_int8_calibrates_on_the_training_images(
-    mobilenet_run, exported, tmp_path
+    colour_run, exported, tmp_path
 ):
     folder = tmp_path / "export"
     shutil.copytree(exported[0], folder)  # an earlier export: a copy of the one in every format
@@ -307,7 +308,7 @@ def test_a_stopped_export_leaves_the_earlier_one_as_it_was_and_int8_calibrates_o
     # A new export into the same folder, stopped once its SavedModel is written and its converters run.
     # It is int8 without --calibration-data, and says what it calibrates on before it writes a file.
     program = ["--output", folder, "--format", "savedmodel,tflite,onnx", "--quantize", "int8"]
-    proc = start([*HVD_TRAIN, "export", mobilenet_run, *program])
+    proc = start([*HVD_TRAIN, "export", colour_run, *program])
     try:
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob("export.tmp-*/saved_model/1/saved_model.pb")) and proc.poll() is None:
