@@ -22,7 +22,7 @@ test: install
 	$(BIN)/ruff format --check hvd_train tests benchmarks
 	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/hadolint Dockerfile
-	$(BIN)/python -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The Docker image, built from this checkout and run (root; installs docker.io).
 # `make test` runs these too where HVD_TRAIN_REQUIRE has docker (CI).
