@@ -31,9 +31,8 @@ DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
 EXIT_PREEMPTED = 75
 # The uninterrupted job and the one stopped twice, which must end with its weights: 6 epochs of 6
 # steps of the tests' backbone. The first stop is asked for after step 4, the second 3 steps into
-# the requeued job. SLURM takes a second or more to deliver a stop, and these steps are quick: the
-# first came after step 10 (of 12, when the jobs were 2 epochs long), which leaves most of the
-# 36 steps to train after both.
+# the requeued job. SLURM takes a second or more to deliver a stop, and these steps are quick: in
+# one run the stops came after steps 10 and 18, which leaves steps to train after both.
 COMPARED_EPOCHS = 6
 
 
