@@ -195,9 +195,11 @@ def png_with_a_corrupt_middle(path, seed=0):
 # launching, stopping, resuming and reading data, and this one builds and traces in a fraction of
 # a Keras application's time, in every process (a one-epoch run: about 10 CPU-seconds against 17
 # with MobileNet, the smallest application).
+TINY_NET = Path(__file__).parent / "tiny_net.py"
+TINY_MODEL = f"{TINY_NET}:backbone"  # --model's value
 TINY = [
     "--model",
-    f"{Path(__file__).parent / 'tiny_net.py'}:backbone",
+    TINY_MODEL,
     "--weights",
     "none",
     "--image-size",
@@ -215,8 +217,8 @@ TINY = [
 def tiny_in(folder: Path, seen_as: str | None = None) -> list[str]:
     """TINY with the backbone's file copied into ``folder``, for runs that see only that folder (in a
     container, at ``seen_as``: by default the same path)."""
-    shutil.copy(Path(__file__).parent / "tiny_net.py", folder / "tiny_net.py")
-    return [*TINY[:1], f"{seen_as or folder}/tiny_net.py:backbone", *TINY[2:]]
+    shutil.copy(TINY_NET, folder / TINY_NET.name)
+    return [*TINY[:1], f"{seen_as or folder}/{TINY_NET.name}:backbone", *TINY[2:]]
 
 
 # TINY with a Keras application, the smallest graph of them (MobileNet V1), where the tests' own

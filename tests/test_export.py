@@ -19,7 +19,7 @@ import pytest
 
 from conftest import (
     HVD_TRAIN,
-    TINY,
+    TINY_MODEL,
     cli,
     kill_group,
     output_of,
@@ -69,7 +69,7 @@ def colour_run(colours, tmp_path_factory):
     """The tests' backbone trained on the colours: its exports are quick, and the Keras applications'
     exports are the other backbones' below."""
     out = tmp_path_factory.mktemp("colour_run") / "run"
-    program = ["--model", TINY[1], "--batch-size", "8", "--epochs", "6", "--base-lr", "0.01", "--deterministic"]
+    program = ["--model", TINY_MODEL, "--batch-size", "8", "--epochs", "6", "--base-lr", "0.01", "--deterministic"]
     train(colours, out, *program)
     # A network that tells the classes apart: an untrained one answers ~1/3 everywhere, and
     # every export would agree with it trivially.

@@ -9,7 +9,7 @@ from PIL import Image
 
 from hvd_train.training.lr_find import centred_average, suggest
 
-from conftest import HVD_TRAIN, TINY, cli, output_of, read_json, run_at_once, write_images
+from conftest import HVD_TRAIN, TINY, TINY_MODEL, cli, output_of, read_json, run_at_once, write_images
 
 SWEEP = ["--steps", "60", "--start-lr", "1e-5", "--end-lr", "10"]
 
@@ -92,7 +92,7 @@ def large_features(demo_small, tmp_path_factory):
     model = backbone((32, 32, 3))
     files = sorted(demo_small.rglob("*.png"))[::5]
     images = np.stack([np.asarray(Image.open(f).convert("RGB").resize((32, 32)), np.float32) for f in files])
-    pixels = get_spec(TINY[1]).preprocess_input()(images)
+    pixels = get_spec(TINY_MODEL).preprocess_input()(images)
     norm = lambda: float(np.linalg.norm(np.mean(model(pixels, training=False), axis=(1, 2)), axis=1).mean())  # noqa: E731
     last = model.get_layer("bn2")  # BatchNorm then ReLU: scaling its gamma and beta scales the features
     gamma, beta, *moving = last.get_weights()
