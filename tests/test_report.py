@@ -2,6 +2,7 @@
 
 import csv
 import json
+import time
 
 import numpy as np
 import pytest
@@ -34,6 +35,24 @@ def test_curves_are_refreshed_after_every_epoch(tmp_path):
     assert [r["epoch"] for r in csv.DictReader(open(tmp_path / "metrics.csv"))] == ["1", "2"]
     reporters.close()
     assert not reporters._thread.is_alive(), "the painter ends with its writers"
+
+
+def test_epochs_that_come_faster_than_the_painters_share_are_drawn_together_and_the_last_at_once(tmp_path):
+    reporters = Reporters(str(tmp_path), epochs=6, tensorboard=False, title="t")
+    logs = {"loss": 2.0, "accuracy": 0.3, "lr": 0.1, "images_per_sec": 90.0}
+    for epoch in range(5):  # epochs of 0.2 s: a picture costs more than PAINT_SHARE of that
+        reporters.epoch_end(epoch, {**logs, "loss": 2.0 - 0.1 * epoch})
+        reporters.draw_soon(epoch, {**logs, "loss": 2.0 - 0.1 * epoch})
+        time.sleep(0.2)
+    with reporters._painter:
+        drawn, handed = reporters._drawn, reporters._handed
+    assert handed == 5 and drawn < 2, f"{drawn} of the 5 epochs drawn one by one within a second"
+    assert reporters.wait(), "a picture somebody waits for is drawn now"
+    assert reporters._drawn == 5 and (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
+    reporters.epoch_end(5, logs)
+    reporters.draw_soon(5, logs)
+    reporters.close()  # the last epoch drawn before the painter ends
+    assert reporters._drawn == 6 and not reporters._thread.is_alive()
 
 
 def test_curves_without_held_out_images(tmp_path):
