@@ -395,8 +395,9 @@ def test_sigterm_to_the_process_group_of_plain_mpirun_stops_every_rank(demo_smal
     # benchmarks/preemption.py); docs/long-runs.md's fix for plain mpirun is to raise
     # it, as here, so the test checks the stop itself.
     out, samples = tmp_path / "run", tmp_path / "samples"
-    # Epochs enough that training is not over before the stop reaches the ranks.
-    command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples, "--epochs", "12")]
+    # Epochs enough that training is not over before the stop reaches the ranks, 5 s after the
+    # signal: 12 epochs of the tests' backbone took 7 s in all once a picture no longer followed each.
+    command = [*launcher_command("mpirun", 2), *options(demo_small, out, samples, "--epochs", "40")]
     proc = start(command, OMPI_MCA_odls_base_sigkill_timeout="5")
     wait_for_steps(proc, samples, EARLY)
     os.killpg(proc.pid, signal.SIGTERM)
