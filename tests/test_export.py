@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -394,3 +395,41 @@ def test_a_stop_while_a_converter_calls_the_model_is_the_export_stop(tmp_path):
         with exporting.stops_as_errors(str(tmp_path / "export")):
             SignalledInside()(np.zeros((1, 2), "float32"))
     assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
+_STOP_IN_A_FINALIZER = """
+import os, signal, sys
+from hvd_train.results.export.folder import Stopped, replace, stops_as_errors
+
+class Freed:  # as TensorFlow's functions are freed: the stop comes while a finalizer runs
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(100000))  # Python runs the handler here, inside the finalizer
+
+staging, folder = sys.argv[1], sys.argv[2]
+os.makedirs(staging)
+try:
+    with stops_as_errors(folder) as stops:
+        Freed()
+        print("the export went on", flush=True)
+        replace(staging, folder, stops)
+except Stopped as e:
+    print(e, flush=True)
+"""
+
+
+def test_a_stop_that_lands_in_a_finalizer_stops_the_export_before_the_swap_without_a_traceback(tmp_path):
+    staging, folder = tmp_path / "export.tmp-1", tmp_path / "export"
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOP_IN_A_FINALIZER, str(staging), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "the export went on",
+        f"export stopped by SIGTERM before it was complete; {folder} was left as it was",
+    ], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not folder.exists()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 
@@ -202,12 +203,20 @@ def stops_as_errors(folder: str):
         stops.raised = signum
         raise _Signalled(signum)
 
+    def lost(unraisable):
+        # A stop raised in a finalizer (TensorFlow's, as it frees a converted function) is lost
+        # there: ``replace`` stops the export with it. Python would print it as a traceback.
+        if not isinstance(unraisable.exc_value, _Signalled):
+            hook(unraisable)
+
     before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    hook, sys.unraisablehook = sys.unraisablehook, lost
     try:
         yield stops
     except _Signalled as e:
         raise Stopped(e.signum, folder) from None
     finally:
+        sys.unraisablehook = hook
         for s, handler in before.items():
             signal.signal(s, handler)
     if stops.pending is not None:
