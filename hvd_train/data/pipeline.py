@@ -220,8 +220,9 @@ def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
     path_of = _path_lookup(data.paths)
 
     def order_of(k):
-        ids = order(int(k)).astype(np.int64)
-        return ids, np.full(len(ids), plan[int(k)][0].epoch, np.int64)
+        k = int(k)
+        ids = order(k).astype(np.int64)
+        return ids, np.full(len(ids), plan[k][0].epoch, np.int64)
 
     def segment(k):
         ids, epochs = tf.numpy_function(order_of, [k], (tf.int64, tf.int64), stateful=False)

@@ -203,6 +203,8 @@ def stops_as_errors(folder: str):
         stops.raised = signum
         raise _Signalled(signum)
 
+    hook = sys.unraisablehook
+
     def lost(unraisable):
         # A stop raised in a finalizer (TensorFlow's, as it frees a converted function) is lost
         # there: ``replace`` stops the export with it. Python would print it as a traceback.
@@ -210,7 +212,7 @@ def stops_as_errors(folder: str):
             hook(unraisable)
 
     before = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    hook, sys.unraisablehook = sys.unraisablehook, lost
+    sys.unraisablehook = lost
     try:
         yield stops
     except _Signalled as e:
