@@ -102,6 +102,13 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=own.absolute(cfg.model.name)))
 
 
+def from_mapping(loaded: dict[str, Any], where: str) -> TrainConfig:
+    """The validated configuration of a ``--config`` file's mapping, read from ``where`` (for messages)."""
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    _merge(values, loaded, where)
+    return validate(build(values))
+
+
 def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
     """Makes a TrainConfig from nested section dicts, coercing YAML scalars."""
     sections = {}

@@ -37,12 +37,12 @@ def draw(path: str, plot: Callable[[], None]) -> bool:
 
 def warm_up() -> None:
     """Imports matplotlib and renders a line of text (its font), without drawing a whole picture."""
-    fig = _figure(1, 1)
+    fig = figure(1, 1)
     fig.text(0.5, 0.5, "0.5")
     fig.savefig(io.BytesIO(), format="png", dpi=10)
 
 
-def _figure(width: float, height: float):
+def figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -51,7 +51,7 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _save(fig, path, dpi: int = 100) -> None:
+def save(fig, path, dpi: int = 100) -> None:
     """Writes ``fig`` as PNG to the file ``path`` (atomically) or to a binary file object."""
     if not isinstance(path, str | os.PathLike):
         fig.savefig(path, format="png", dpi=dpi)
@@ -76,7 +76,7 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
         rows: the rows of ``metrics.csv`` (strings, as ``csv.DictReader`` gives them).
     """
     epochs = _column(rows, "epoch")
-    fig = _figure(11, 7)
+    fig = figure(11, 7)
     if title:
         fig.suptitle(title)
     axes = fig.subplots(2, 2)
@@ -114,7 +114,7 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
         if len(epochs):
             ax.set_xlim(0.5, max(epochs.max(), 1) + 0.5)
             ax.xaxis.get_major_locator().set_params(integer=True)
-    _save(fig, path)
+    save(fig, path)
 
 
 MANY_CLASSES = 100
@@ -179,7 +179,7 @@ def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str 
     names = [c if len(c) <= 28 else c[:27] + "…" for c in classes]
     margin = 1.5 + 0.075 * max((len(c) for c in names), default=4)
     side = max(5.0, n * cell + margin)
-    fig = _figure(side + 1.2, side)
+    fig = figure(side + 1.2, side)
     ax = fig.add_subplot()
     image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
     fig.colorbar(image, ax=ax, fraction=0.04, label="share of the true class")
@@ -206,7 +206,7 @@ def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str 
     count = int(matrix.sum())
     heading = f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%})"
     ax.set_title(heading)
-    _save(fig, path, dpi=100)
+    save(fig, path, dpi=100)
 
 
 def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, title: str, top: int = 25) -> None:
@@ -215,7 +215,7 @@ def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, ti
     totals = matrix.sum(axis=1)
     accuracy = np.divide(np.diag(matrix), totals, out=np.ones(len(classes)), where=totals > 0)
     worst = [c for c in np.argsort(accuracy, kind="stable") if totals[c] > 0][:top]
-    fig = _figure(14, 0.3 * top + 2)
+    fig = figure(14, 0.3 * top + 2)
     left, right = fig.subplots(1, 2)
     labels = [f"{t} → {p}" for t, p, _, _ in pairs]
     left.barh(range(len(pairs)), [share for *_, share in pairs], color="#c0504d")
@@ -238,14 +238,14 @@ def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, ti
         f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%}), "
         f"{len(classes)} classes"
     )
-    _save(fig, path, dpi=100)
+    save(fig, path, dpi=100)
 
 
 def lr_find(
     lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float], suggestion: float | None, path: str
 ) -> None:
     """``lr_find.png``: loss against learning rate (log scale), with the suggested rate marked."""
-    fig = _figure(8, 5)
+    fig = figure(8, 5)
     ax = fig.add_subplot()
     ax.plot(lrs, losses, color="lightgray", label="loss of each step")
     ax.plot(lrs, smoothed, color="C0", label="centred moving average")
@@ -262,4 +262,4 @@ def lr_find(
     ax.set_title("learning-rate range test")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save(fig, path)

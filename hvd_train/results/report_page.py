@@ -26,7 +26,7 @@ from hvd_train.results import plots
 
 REPORT = "report.html"
 
-_STYLE = """
+STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.6em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; padding-bottom: .2em; }
 table { border-collapse: collapse; margin: .5em 0; font-size: .92em; }
@@ -79,13 +79,13 @@ def load_run(run_dir: str) -> dict:
     return run
 
 
-def _png(draw) -> str:
+def png_data(draw) -> str:
     buffer = io.BytesIO()
     draw(buffer)
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _fmt(value, digits: int = 4) -> str:
+def fmt(value, digits: int = 4) -> str:
     if value is None or value == "":
         return "–"
     if isinstance(value, bool):
@@ -99,7 +99,7 @@ def _fmt(value, digits: int = 4) -> str:
     return str(value)
 
 
-def _table(header: list[str], rows: list[list], text: tuple[int, ...] = (0,), classes: list[str] | None = None) -> str:
+def table(header: list[str], rows: list[list], text: tuple[int, ...] = (0,), classes: list[str] | None = None) -> str:
     """An HTML table; the columns ``text`` are left-aligned text, the others numbers."""
 
     def css(i: int) -> str:
@@ -113,7 +113,7 @@ def _table(header: list[str], rows: list[list], text: tuple[int, ...] = (0,), cl
         row_css = f' class="{classes[r]}"' if classes and classes[r] else ""
         out.append(f"<tr{row_css}>")
         for i, value in enumerate(row):
-            out.append(f"<td{css(i)}>{html.escape(_fmt(value))}</td>")
+            out.append(f"<td{css(i)}>{html.escape(fmt(value))}</td>")
         out.append("</tr>")
     out.append("</tbody></table>")
     return "".join(out)
@@ -138,7 +138,7 @@ WORST_SHOWN = 50  # per-class rows shown when there are many classes
 
 def _confusion_section(title: str, matrix, classes: list[str], note: str) -> list[str]:
     matrix = plots.confusion_from_json(matrix)
-    picture = _png(lambda f: plots.confusion(matrix, classes, f, title))
+    picture = png_data(lambda f: plots.confusion(matrix, classes, f, title))
     rows = per_class_rows(matrix, classes)
     many = len(classes) > plots.MANY_CLASSES
     heading = f"the {WORST_SHOWN} worst of {len(classes)} classes" if many else "worst first"
@@ -148,13 +148,13 @@ def _confusion_section(title: str, matrix, classes: list[str], note: str) -> lis
     out = [
         f'<img alt="confusion matrix, {html.escape(title)}" src="{picture}">',
         f"<h3>Accuracy per class, {heading}</h3><p class='note'>{html.escape(note)}</p>",
-        _table(["class", "images", "right", "accuracy", "most often taken for (images)"], rows, (0, 4), poor),
+        table(["class", "images", "right", "accuracy", "most often taken for (images)"], rows, (0, 4), poor),
     ]
     if many:
         pairs = [[t, p, n, share] for t, p, n, share in plots.most_confused(matrix, classes, WORST_SHOWN)]
         out += [
             f"<h3>The {len(pairs)} most confused pairs</h3>",
-            _table(["true class", "taken for", "images", "share of the true class"], pairs, (0, 1)),
+            table(["true class", "taken for", "images", "share of the true class"], pairs, (0, 1)),
         ]
     return out
 
@@ -197,11 +197,11 @@ def render(run: dict) -> str:
         rows.append(
             [f"base learning rate, one worker{' (--base-lr auto: lr-find)' if found else ''}", summary["base_lr"]]
         )
-    body.append(_table(["", ""], [r for r in rows if r[1] is not None]))
+    body.append(table(["", ""], [r for r in rows if r[1] is not None]))
 
     body.append("<h2>Training curves</h2>")
     if run["rows"]:
-        picture = _png(lambda f: plots.curves(run["rows"], f, title))
+        picture = png_data(lambda f: plots.curves(run["rows"], f, title))
         body.append(f'<img alt="training curves" src="{picture}">')
     else:
         body.append("<p>No epoch has finished yet (metrics.csv is empty).</p>")
@@ -220,7 +220,7 @@ def render(run: dict) -> str:
     if evaluation:
         body.append(f"<h2>hvd-train evaluate: {html.escape(str(evaluation.get('data')))}</h2>")
         body.append(
-            _table(
+            table(
                 ["", ""],
                 [
                     ["accuracy", evaluation.get("accuracy")],
@@ -243,8 +243,8 @@ def render(run: dict) -> str:
     body.append("<h2>Throughput and metrics per epoch</h2>")
     if run["rows"]:
         keys = ["epoch", "images_per_sec", "epoch_seconds", "lr", "loss", "accuracy", "val_loss", "val_accuracy"]
-        table = [[_number(r.get(k)) for k in keys] for r in run["rows"]]
-        body.append(_table(keys, table, text=()))
+        per_epoch = [[_number(r.get(k)) for k in keys] for r in run["rows"]]
+        body.append(table(keys, per_epoch, text=()))
         body.append(
             "<p class='note'>images/s counts the training steps of every worker; the first epoch includes "
             "graph tracing and the input pipeline's warm-up.</p>"
@@ -263,13 +263,13 @@ def render(run: dict) -> str:
         ["hvd_train (this report)", __version__],
         *env,
     ]
-    body.append(_table(["", ""], [r for r in rows if r[1] is not None]))
+    body.append(table(["", ""], [r for r in rows if r[1] is not None]))
 
     body.append("<h2>Configuration (run_config.yaml)</h2>")
     body.append(f"<pre>{html.escape(run['config_text'])}</pre>")
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head>"
         f"<body>{''.join(body)}</body></html>\n"
     )
 
@@ -298,7 +298,7 @@ def _exports_section(exports: list[dict]) -> list[str]:
     header = ["file", "format", "quantize", "images", "top-1 agreement", "max |Δp|", "accuracy", "check"]
     return [
         "<h2>Exports (hvd-train export)</h2>",
-        _table(header, rows, text=(0, 1, 2, 7)),
+        table(header, rows, text=(0, 1, 2, 7)),
         "<p class='note'>Each file run in its own runtime (TensorFlow, LiteRT, ONNX Runtime) on the images of "
         "<code>hvd-train export --check</code>, against <code>hvd-train predict</code>'s probabilities.</p>",
     ]
