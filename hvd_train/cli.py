@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         plan,
         predict,
         report,
+        sweep,
         train,
     )
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hvd_train {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (train, lr_find, evaluate, predict, export, report, pack, bench, plan, models, doctor, demo):
+    for module in (train, sweep, lr_find, evaluate, predict, export, report, pack, bench, plan, models, doctor, demo):
         module.add_parser(subparsers)
     # Run by main() before parsing; here for the list of commands only.
     subparsers.add_parser(

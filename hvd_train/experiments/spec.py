@@ -1,0 +1,235 @@
+"""A sweep file: the base training configuration, the options searched and how.
+
+.. code-block:: yaml
+
+    train:                       # sections of a `train --config` file; run.output is the sweep's
+      data: {train: demo/data, val_split: 0.2}
+      model: {name: MobileNetV2, weights: none}
+      run: {epochs: 6}
+    search:                      # train options (section.name) and their spaces
+      optim.base_lr: {log_uniform: [0.001, 0.1]}
+      optim.optimizer: {choices: [sgd, adam]}
+      data.batch_size: {int: [16, 64], step: 16}
+    objective: val_accuracy      # a number of summary.json; maximized unless its name says loss
+    trials: 8
+    sampler: tpe                 # tpe | random | grid
+    pruner: median               # median | halving | none
+    parallel: 2                  # trials at once
+    workers: 1                   # workers of each trial
+
+Everything is checked before the first trial starts: every option of
+``train`` and ``search`` is one ``train`` takes, and every value a space can
+give is one it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from hvd_train.config import sources
+from hvd_train.config.choices import TrainConfig
+from hvd_train.errors import UserError
+
+SAMPLERS = ("tpe", "random", "grid")
+PRUNERS = ("median", "halving", "none")
+LAUNCHERS = ("horovodrun", "mpirun")
+SPACES = ("choices", "uniform", "log_uniform", "int")
+# Numbers of metrics.csv a trial reports after each epoch (for pruning).
+EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "accuracy", "loss", "images_per_sec")
+
+
+@dataclass(frozen=True)
+class Space:
+    """Where one option is searched: ``kind`` one of ``SPACES``."""
+
+    kind: str
+    values: tuple = ()  # choices
+    low: float = 0.0
+    high: float = 0.0
+    step: int = 1  # int
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A validated sweep file (see the module docstring)."""
+
+    train: dict[str, dict[str, Any]]
+    search: dict[str, Space]
+    objective: str = "val_accuracy"
+    direction: str = "maximize"  # minimize when the objective's name says loss
+    trials: int = 10
+    sampler: str = "tpe"
+    pruner: str = "median"
+    prune_startup_trials: int = 2
+    prune_warmup_epochs: int = 1
+    parallel: int = 1
+    workers: int = 1
+    launcher: str = "horovodrun"
+    storage: str = ""
+    study: str = ""
+    seed: int = 0
+    first: tuple[dict[str, Any], ...] = ()
+    heartbeat: float = 10.0
+
+    def trial_config(self, params: dict[str, Any], output: str) -> dict[str, dict[str, Any]]:
+        """The ``train --config`` mapping of one trial: the base, ``params``, and ``output``."""
+        values = {section: dict(body) for section, body in self.train.items()}
+        for key, value in {**params, "run.output": output}.items():
+            section, name = key.split(".", 1)
+            values.setdefault(section, {})[name] = value
+        return values
+
+    def grid(self) -> dict[str, list]:
+        """Every value of every option, for the grid sampler."""
+        return {key: list(_values(space)) for key, space in self.search.items()}
+
+
+_KEYS = {f.name for f in dataclasses.fields(Sweep)}
+
+
+def load(path: str, **overrides: Any) -> Sweep:
+    """Reads and checks the sweep file ``path``; ``overrides`` (not None) win over its keys.
+
+    Raises:
+        UserError: the file cannot be read, or names an option, space or value that cannot be.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise UserError(f"cannot read sweep file {path}: {e.strerror}; check the path.") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"sweep file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"sweep file {path} must hold a mapping with `train` and `search`; see docs/sweeps.md.")
+    loaded.update({k: v for k, v in overrides.items() if v is not None})
+    return parse(loaded, path)
+
+
+def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
+    """A ``Sweep`` from a sweep file's mapping (see ``load``)."""
+
+    def fail(message: str) -> UserError:
+        return UserError(f"{where}: {message}")
+
+    unknown = sorted(set(loaded) - _KEYS)
+    if unknown:
+        raise fail(f"unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_KEYS))}.")
+    train = loaded.get("train") or {}
+    if not isinstance(train, dict) or not all(isinstance(b, dict) for b in train.values()):
+        raise fail("`train` must map sections (data, model, optim, run, ...) to their options, as `--config`.")
+    if "output" in (train.get("run") or {}):
+        raise fail("`train.run.output` is set by the sweep (each trial a folder of its own); remove it.")
+    search = loaded.get("search")
+    if not isinstance(search, dict) or not search:
+        raise fail("`search` must map train options (e.g. optim.base_lr) to their spaces; see docs/sweeps.md.")
+    spaces = {str(key): _space(str(key), body, fail) for key, body in search.items()}
+    values = {k: v for k, v in loaded.items() if k not in ("train", "search", "first")}
+    if "direction" not in values:  # a loss is minimized, anything else maximized
+        values["direction"] = "minimize" if "loss" in str(values.get("objective", "")) else "maximize"
+    try:
+        sweep = Sweep(train=train, search=spaces, first=tuple(loaded.get("first") or ()), **values)
+    except TypeError as e:
+        raise fail(str(e)) from None
+    _check(sweep, fail)
+    return sweep
+
+
+def _space(key: str, body: Any, fail) -> Space:
+    section, _, name = key.partition(".")
+    if section not in sources.SECTIONS or not name:
+        raise fail(
+            f"search option {key!r} is not a train option; name it section.option (sections: "
+            f"{', '.join(sources.SECTIONS)}), as in run_config.yaml."
+        )
+    if isinstance(body, list):
+        body = {"choices": body}
+    kinds = [k for k in SPACES if isinstance(body, dict) and k in body]
+    extra = sorted(set(body) - {*SPACES, "step"}) if isinstance(body, dict) else []
+    if len(kinds) != 1 or extra:
+        raise fail(f"the space of {key} must be one of {', '.join(SPACES)} (e.g. {{log_uniform: [0.001, 0.1]}}).")
+    kind, given = kinds[0], body[kinds[0]]
+    if kind == "choices":
+        if not isinstance(given, list) or not given:
+            raise fail(f"`choices` of {key} must be a non-empty list.")
+        return Space(kind, values=tuple(given))
+    if not (isinstance(given, list) and len(given) == 2 and all(isinstance(v, int | float) for v in given)):
+        raise fail(f"`{kind}` of {key} must be [low, high]. Received: {given!r}")
+    low, high = given
+    if not low < high or (kind == "log_uniform" and low <= 0):
+        raise fail(f"`{kind}` of {key} needs low < high{' and low > 0' if kind == 'log_uniform' else ''}.")
+    if kind == "int":
+        step = body.get("step", 1)
+        if not all(float(v).is_integer() for v in (low, high)) or not isinstance(step, int) or step < 1:
+            raise fail(f"`int` of {key} needs whole low and high, and a whole step >= 1.")
+        return Space(kind, low=int(low), high=int(high), step=step)
+    return Space(kind, low=float(low), high=float(high))
+
+
+def _values(space: Space):
+    if space.kind == "choices":
+        return space.values
+    if space.kind == "int":
+        return range(int(space.low), int(space.high) + 1, space.step)
+    return (space.low, space.high)
+
+
+def _check(sweep: Sweep, fail) -> None:
+    def _require(ok: bool, message: str) -> None:
+        if not ok:
+            raise fail(message)
+
+    _require(sweep.sampler in SAMPLERS, f"`sampler` must be one of {', '.join(SAMPLERS)}.")
+    _require(sweep.pruner in PRUNERS, f"`pruner` must be one of {', '.join(PRUNERS)}.")
+    _require(sweep.launcher in LAUNCHERS, f"`launcher` must be one of {', '.join(LAUNCHERS)}.")
+    _require(sweep.direction in ("maximize", "minimize"), "`direction` must be maximize or minimize.")
+    for key in ("trials", "parallel", "workers", "prune_startup_trials"):
+        value = getattr(sweep, key)
+        _require(isinstance(value, int) and value >= 1, f"`{key}` must be a whole number >= 1. Received: {value!r}")
+    _require(sweep.heartbeat > 0, "`heartbeat` must be > 0 seconds.")
+    if sweep.sampler == "grid":
+        bad = [k for k, s in sweep.search.items() if s.kind not in ("choices", "int")]
+        _require(not bad, f"the grid sampler takes `choices` and `int` spaces only; {bad[:1]} is continuous.")
+        size = math.prod(len(v) for v in sweep.grid().values())
+        _require(sweep.trials <= size, f"`trials` ({sweep.trials}) is more than the grid's {size} points.")
+    if sweep.pruner != "none":
+        _require(
+            sweep.objective in EPOCH_METRICS,
+            f"pruning needs an objective that metrics.csv has after each epoch ({', '.join(EPOCH_METRICS)}); "
+            f"{sweep.objective!r} is not: use pruner: none.",
+        )
+    for entry in sweep.first:
+        _require(
+            isinstance(entry, dict) and set(entry) <= set(sweep.search),
+            f"each entry of `first` must set searched options only ({', '.join(sweep.search)}).",
+        )
+    _require(bool((sweep.train.get("data") or {}).get("train")), "set the images to train on: train.data.train.")
+    # Every trial's configuration must be one `train` accepts: the corners of each space.
+    cfg = None
+    corners = [list(_values(s)) if s.kind == "choices" else [s.low, s.high] for s in sweep.search.values()]
+    combos = itertools.product(*corners) if math.prod(map(len, corners)) <= 64 else zip(*corners, strict=False)
+    for combo in combos:
+        cfg = _train_config(sweep, dict(zip(sweep.search, combo)), fail)
+    for entry in sweep.first:
+        _train_config(sweep, dict(entry), fail)
+    assert cfg is not None
+    if sweep.objective.startswith("val_"):
+        _require(
+            bool(cfg.data.val) or cfg.data.val_split > 0,
+            f"the objective {sweep.objective} needs held-out images: set train.data.val or train.data.val_split.",
+        )
+
+
+def _train_config(sweep: Sweep, params: dict[str, Any], fail) -> TrainConfig:
+    try:
+        return sources.from_mapping(sweep.trial_config(params, os.path.join("sweep", "trial")), "`train`")
+    except UserError as e:
+        shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+        raise fail(f"a trial with {shown} would fail: {e}") from None

@@ -1,0 +1,204 @@
+"""The sweep: trials asked of the study, run ``parallel`` at a time, told what they gave.
+
+Each slot (``trial.slots``) is a thread that asks the study for a trial,
+runs its job and tells the study how it ended, until the sweep's number of
+trials is reached. Asking is done under one lock, after handing back the
+trials whose sweep process is gone (``study.hand_back_stale``), so one
+sweep process never runs more trials than asked for; sweep processes on
+several machines that share one study may each start one more in the same
+instant, at most.
+
+A stop signal (SIGTERM, SIGINT, SIGUSR1) stops every running job as a
+scheduler would (each writes its checkpoint), hands its trial back, writes
+the pages and ends with 75. The same command then goes on: finished trials
+are kept, the trials cut mid-run resume from their checkpoints, and the
+number of trials stays the one asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from hvd_train.errors import UserError
+from hvd_train.experiments import pages
+from hvd_train.experiments import study as studies
+from hvd_train.experiments.spec import Sweep
+from hvd_train.experiments.trial import Outcome, Slot, TrialJob, slots
+from hvd_train.log import get_logger
+from hvd_train.training.preemption import EXIT_PREEMPTED, STOP_SIGNALS
+
+log = get_logger("sweep")
+
+
+class SweepRun:
+    """Runs ``sweep`` with its files in ``folder`` (see the module docstring)."""
+
+    def __init__(self, sweep: Sweep, folder: str):
+        self.sweep = sweep
+        self.folder = folder
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.errors: list[BaseException] = []
+
+    def run(self) -> int:
+        sweep = self.sweep
+        os.makedirs(self.folder, exist_ok=True)
+        places = slots(sweep.parallel, sweep.workers)
+        self.study = studies.open_study(sweep, self.folder)
+        log.info(
+            "sweep %s: %d trials of %s, %d at once x %d worker(s); study in %s",
+            self.study.study_name,
+            sweep.trials,
+            sweep.objective,
+            sweep.parallel,
+            sweep.workers,
+            pages.summarize(sweep, self.study, self.folder)["storage"],
+        )
+        previous = {sig: signal.signal(sig, self._stop) for sig in STOP_SIGNALS}
+        try:
+            threads = [threading.Thread(target=self._slot, args=(s,), name=f"slot-{s.index}") for s in places]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():  # a timed join: the main thread takes the signals
+                    t.join(0.5)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        summary = pages.write(sweep, self.study, self.folder)
+        if self.errors:
+            raise self.errors[0]
+        counts, best = summary["counts"], summary["best"]
+        done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        if self.stopping.is_set():
+            log.warning(
+                "sweep stopped (%s of %d trials); run the same command to go on: cut trials resume from "
+                "their checkpoints",
+                done or "none",
+                sweep.trials,
+            )
+            return EXIT_PREEMPTED
+        if best is None:
+            log.error("error: no trial finished (%s); see each trial's trial.log in %s", done, self.folder)
+            return 1
+        log.info(
+            "sweep done: %s; best trial %d, %s %.4f; %s, %s, %s",
+            done,
+            best["number"],
+            sweep.objective,
+            best["value"],
+            *(os.path.join(self.folder, name) for name in (pages.BEST, pages.PAGE, pages.SUMMARY)),
+        )
+        return 0
+
+    def _stop(self, signum, frame) -> None:
+        if not self.stopping.is_set():
+            log.warning("%s: stopping the running trials (each writes its checkpoint)", signal.Signals(signum).name)
+        self.stopping.set()
+
+    def _slot(self, slot: Slot) -> None:
+        try:
+            while not self.stopping.is_set():
+                trial = self._next_trial()
+                if trial is None:
+                    return
+                self._run(trial, slot)
+        except BaseException as e:  # the sweep ends with it, after the other slots' trials
+            self.errors.append(e)
+            self.stopping.set()
+
+    def _next_trial(self):
+        study, sweep = self.study, self.sweep
+        with self.lock:
+            studies.hand_back_stale(study, sweep.heartbeat)
+            if studies.waiting(study) == 0 and studies.counted(study) >= sweep.trials:
+                return None
+            trial = study.ask()
+            studies.claim(trial)
+            return trial
+
+    def _run(self, trial, slot: Slot) -> None:
+        sweep = self.sweep
+        params = studies.suggest(trial, sweep)
+        name = trial.user_attrs.get("folder") or studies.trial_folder_name(trial.number)
+        trial.set_user_attr("folder", name)
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+        retry = trial.user_attrs.get("retry_of")
+        log.info(
+            "trial %d: %s%s",
+            trial.number,
+            shown,
+            f" (goes on from trial {retry}'s checkpoint)" if retry is not None else "",
+        )
+        job = TrialJob(sweep, os.path.join(self.folder, name), params, slot, self.stopping)
+        try:
+            outcome = job.run(trial)
+        except UserError as e:
+            outcome = Outcome("failed", note=str(e))
+        self._tell(trial, outcome, shown)
+
+    def _tell(self, trial, outcome: Outcome, shown: str) -> None:
+        op = studies.optuna()
+        sweep = self.sweep
+        with self.lock:
+            trial.set_user_attr("epochs", outcome.epoch)
+            trial.set_user_attr("seconds", round(outcome.seconds, 1))
+            if outcome.note:
+                trial.set_user_attr("note", outcome.note)
+            if outcome.state == "stopped":
+                studies.hand_back(self.study, trial, outcome.note or "stopped")
+                return
+            if outcome.state == "complete":
+                _tell(self.study, trial, outcome.value)
+                _write_report(os.path.join(self.folder, trial.user_attrs["folder"]))
+                best = self.study.best_trial
+                log.info(
+                    "trial %d: %s %.4f in %.0f s; best so far: trial %d, %.4f",
+                    trial.number,
+                    sweep.objective,
+                    outcome.value,
+                    outcome.seconds,
+                    best.number,
+                    best.value,
+                )
+            elif outcome.state == "pruned":
+                _tell(self.study, trial, state=op.trial.TrialState.PRUNED)
+                log.info("trial %d %s (%s)", trial.number, outcome.note, shown)
+            else:
+                _tell(self.study, trial, state=op.trial.TrialState.FAIL)
+                log.warning("trial %d failed: %s", trial.number, outcome.note)
+            pages.write(sweep, self.study, self.folder)
+
+
+def _tell(study, trial, value=None, **state) -> None:
+    """``study.tell``, past two complaints of Optuna's grid sampler after the trial is stored.
+
+    The sampler asks the study to stop after the last point of its grid,
+    which Optuna refuses outside ``Study.optimize`` (this sweep stops anyway
+    once its trials are done); and it looks for the grid point of an
+    enqueued trial (a trial handed back, or one of ``first``), which has its
+    options fixed instead (its original's point counts as visited).
+    """
+    try:
+        study.tell(trial, value, **state)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
+    except KeyError as e:
+        if e.args != ("grid_id",):
+            raise
+
+
+def _write_report(folder: str) -> None:
+    from hvd_train.results import report_page
+
+    try:
+        report_page.write(folder)
+    except (UserError, OSError) as e:
+        log.warning("could not write the report of %s: %s", folder, e)
+
+
+def _short(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

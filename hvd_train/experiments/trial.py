@@ -1,0 +1,272 @@
+"""One trial's job: ``hvd-train train`` under a launcher, in the trial's folder, watched epoch by epoch.
+
+The job is a real Horovod job (``hvd-train launch``, which is horovodrun, or
+mpirun) of ``workers`` ranks on the cores (and GPUs) of the trial's slot.
+After each epoch, rank 0's metrics.csv row gives the objective, which is
+reported to the study; when the pruner says so, the job is stopped as a
+scheduler would stop it (SIGTERM to horovodrun, SIGUSR1 to mpirun: every
+rank stops after the same step, with a checkpoint). The launcher of a
+sweep that dies gets the same signal (``PR_SET_PDEATHSIG``), so no trial
+runs on unwatched.
+
+The trial's folder is locked (``flock``) by the sweep and by the job's
+launcher, which inherits the lock: a trial handed back after its sweep died
+is taken up only once its earlier job has ended.
+"""
+
+from __future__ import annotations
+
+import csv
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import yaml
+
+from hvd_train.experiments import study as studies
+from hvd_train.experiments.spec import Sweep
+from hvd_train.log import get_logger
+from hvd_train.training.preemption import EXIT_PREEMPTED
+
+log = get_logger("sweep")
+
+# How often a running trial's metrics.csv is read (seconds).
+POLL = 0.5
+# How long a stopped job has to write its checkpoint and end before it is killed (seconds).
+STOP_GRACE = 120.0
+# How long a trial waits for the earlier job of its folder to end (seconds).
+LOCK_WAIT = 600.0
+LOG = "trial.log"
+CONFIG = "trial.yaml"
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Slot:
+    """The cores (and GPUs) one trial at a time runs on."""
+
+    index: int
+    cores: tuple[int, ...]
+    gpus: tuple[str, ...] = ()
+
+
+def slots(parallel: int, workers: int) -> list[Slot]:
+    """``parallel`` slots: this process's cores split evenly, and the GPUs ``workers`` each.
+
+    Raises:
+        UserError: fewer cores than slots, or fewer GPUs than trials x workers.
+    """
+    from hvd_train.errors import UserError
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < parallel:
+        raise UserError(f"{parallel} trials at once need {parallel} cores at least; this process may use {len(cores)}.")
+    gpus = _gpus()
+    if gpus and len(gpus) < parallel * workers:
+        raise UserError(
+            f"{parallel} trials x {workers} workers need {parallel * workers} GPUs; {len(gpus)} are visible: "
+            "lower `parallel` or `workers`."
+        )
+    share = len(cores) // parallel
+    return [
+        Slot(i, tuple(cores[i * share : (i + 1) * share]), tuple(gpus[i * workers : (i + 1) * workers]))
+        for i in range(parallel)
+    ]
+
+
+def _gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [g for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        return sorted(d[len("nvidia") :] for d in os.listdir("/dev") if d[len("nvidia") :].isdigit())
+    except OSError:
+        return []
+
+
+@dataclass
+class Outcome:
+    """How a trial's job ended: ``state`` complete, pruned, failed or stopped (handed back)."""
+
+    state: str
+    value: float | None = None
+    epoch: int = 0  # the last epoch reported
+    note: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class TrialJob:
+    """Runs one trial (see the module docstring)."""
+
+    sweep: Sweep
+    folder: str
+    params: dict
+    slot: Slot
+    stopping: object  # threading.Event: the sweep is stopping
+    reported: dict = field(default_factory=dict)  # epoch -> value
+
+    def run(self, trial) -> Outcome:
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, CONFIG), "w", encoding="utf-8") as f:
+            yaml.safe_dump(self.sweep.trial_config(self.params, os.path.abspath(self.folder)), f, sort_keys=False)
+        lock = self._lock()
+        started = time.monotonic()
+        try:
+            with open(os.path.join(self.folder, LOG), "ab") as out:
+                proc = subprocess.Popen(
+                    self.command(),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self._env(),
+                    pass_fds=(lock,),
+                    preexec_fn=_child_setup(self.slot.cores, self.stop_signal()),
+                )
+                outcome = self._watch(proc, trial)
+        finally:
+            os.close(lock)
+        outcome.seconds = time.monotonic() - started
+        return outcome
+
+    def command(self) -> list[str]:
+        train = [sys.executable, "-m", "hvd_train", "train", "--config", os.path.join(self.folder, CONFIG)]
+        np_ = str(self.sweep.workers)
+        if self.sweep.launcher == "mpirun":
+            return ["mpirun", "-np", np_, "--bind-to", "none", "-x", "PATH", "-x", "PYTHONUNBUFFERED", *train]
+        # Gloo: horovodrun's ranks are its own children, and a SIGTERM to it reaches them. (With
+        # MPI it would replace itself with a shell running mpirun, which the signal may outlive.)
+        return [sys.executable, "-m", "hvd_train", "launch", "-np", np_, "--gloo", *train]
+
+    def stop_signal(self) -> int:
+        """What stops the job as a scheduler would: mpirun passes SIGUSR1 on at once, SIGTERM after 1 s."""
+        return int(signal.SIGUSR1 if self.sweep.launcher == "mpirun" else signal.SIGTERM)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.slot.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.slot.gpus)
+        return env
+
+    def _lock(self) -> int:
+        fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_WAIT
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    from hvd_train.errors import UserError
+
+                    raise UserError(
+                        f"{self.folder} is still used by an earlier job after {LOCK_WAIT:.0f} s; end it and rerun."
+                    ) from None
+                if not said:
+                    log.info("%s: waiting for the earlier job of this trial to end", self.folder)
+                    said = True
+                time.sleep(1.0)
+
+    def _watch(self, proc: subprocess.Popen, trial) -> Outcome:
+        beat = time.monotonic()
+        pruned = None
+        stopped = False
+        while proc.poll() is None:
+            time.sleep(POLL)
+            if time.monotonic() - beat >= self.sweep.heartbeat:
+                studies.beat(trial)
+                beat = time.monotonic()
+            if pruned is None and not stopped:
+                pruned = self._report(trial)
+                if pruned is not None or self.stopping.is_set():
+                    stopped = True
+                    proc.send_signal(self.stop_signal())
+                    stop_at = time.monotonic()
+            if stopped and proc.poll() is None and time.monotonic() - stop_at > STOP_GRACE:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: its ranks too
+        code = proc.returncode
+        if pruned is None and code == 0:
+            self._report(trial)  # the last epochs, written before the job ended
+        last = max((epoch for epoch, _ in self._epochs()), default=0)  # the epochs the job ran
+        if pruned is not None:
+            value = self.reported[pruned]
+            note = f"pruned at epoch {pruned}: {self.sweep.objective} {value:.4f}; stopped after epoch {last}"
+            return Outcome("pruned", value, last, note)
+        if code == EXIT_PREEMPTED or (stopped and code != 0):
+            return Outcome("stopped", None, last, f"stopped after epoch {last}" if last else "stopped")
+        if code != 0:
+            return Outcome("failed", None, last, f"exit {code}: {_last_error(self.folder)}")
+        return self._summary(last)
+
+    def _report(self, trial) -> int | None:
+        """Reports new epochs' objective; the epoch to prune at, if the pruner says so."""
+        for epoch, value in self._epochs():
+            if epoch in self.reported:
+                continue
+            self.reported[epoch] = value
+            trial.report(value, epoch)
+            if trial.should_prune():
+                return epoch
+        return None
+
+    def _epochs(self) -> list[tuple[int, float]]:
+        path = os.path.join(self.folder, "metrics.csv")
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                rows = list(csv.DictReader(f))
+        except OSError:
+            return []
+        found = []
+        for row in rows:
+            text = row.get(self.sweep.objective) or ""
+            if (row.get("epoch") or "").isdigit() and text:
+                try:
+                    found.append((int(row["epoch"]), float(text)))
+                except ValueError:
+                    continue
+        return found
+
+    def _summary(self, last: int) -> Outcome:
+        path = os.path.join(self.folder, "summary.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get(self.sweep.objective)
+        except (OSError, ValueError) as e:
+            return Outcome("failed", None, last, f"no summary.json ({e})")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return Outcome("failed", None, last, f"summary.json has no number {self.sweep.objective}")
+        return Outcome("complete", float(value), last)
+
+
+def _child_setup(cores: tuple[int, ...], stop: int):
+    """Runs in the child before it starts the launcher: a process group of its own, its cores, and
+    the stop signal when the sweep dies."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def setup() -> None:
+        os.setsid()
+        prctl(_PR_SET_PDEATHSIG, stop, 0, 0, 0)
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    return setup
+
+
+def _last_error(folder: str) -> str:
+    """The last ``error:`` line of the trial's log (or its last line)."""
+    try:
+        with open(os.path.join(folder, LOG), encoding="utf-8", errors="replace") as f:
+            lines = [line.strip() for line in f.readlines()[-200:] if line.strip()]
+    except OSError:
+        return "no log"
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[-1][-300:]
