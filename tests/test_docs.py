@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SUBCOMMANDS = (
-    "train", "evaluate", "predict", "export", "pack", "bench", "plan", "lr-find", "report", "demo", "doctor", "models",
+    "train", "sweep", "evaluate", "predict", "export", "pack", "bench", "plan", "lr-find", "report", "demo", "doctor",
+    "models",
     "launch",
 )  # fmt: skip
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")

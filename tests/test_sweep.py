@@ -1,0 +1,207 @@
+"""``hvd-train sweep``: the sweep file's checks, trials as real Horovod jobs, pruning, a stop and its resume.
+
+The jobs train the tests' backbone on the small demo set; the study is
+Optuna's, in SQLite in the sweep's folder, read back with Optuna itself.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import HVD_TRAIN, TINY_NET, cli, kill_group, output_of, run, start
+
+optuna = pytest.importorskip("optuna")
+
+BASE = {
+    "model": {"name": f"{TINY_NET}:backbone", "weights": "none"},
+    "data": {"val_split": 0.2, "batch_size": 8, "image_size": 32},
+    "run": {"tensorboard": False},
+    "horovod": {"threads_per_rank": 1},
+}
+
+
+def sweep_file(folder: Path, data: Path, epochs: int, **keys) -> Path:
+    train = {section: dict(body) for section, body in BASE.items()}
+    train["data"]["train"] = str(data)
+    train["run"]["epochs"] = epochs
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"train": train, **keys}, sort_keys=False))
+    return path
+
+
+def study_of(folder: Path):
+    return optuna.load_study(study_name=folder.name, storage=f"sqlite:///{folder / 'study.db'}")
+
+
+# --- the sweep file, checked before any trial ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        ({"search": {"optim.base_lr": {"log_uniform": [0, 1]}}}, "needs low < high and low > 0"),
+        ({"search": {"optim.nope": [1, 2]}}, "unknown key optim.nope"),
+        ({"search": {"base_lr": [0.1]}}, "is not a train option"),
+        ({"search": {"optim.base_lr": [0.1, -1.0]}}, "optim.base_lr=-1.0 would fail: `--base-lr`"),
+        ({"search": {"optim.base_lr": [0.1]}, "objective": "top5", "pruner": "median"}, "use pruner: none"),
+        ({"search": {"optim.base_lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, "grid sampler takes"),
+        ({"search": {"optim.base_lr": [0.1, 0.2]}, "sampler": "grid", "trials": 3}, "more than the grid's 2"),
+        ({"search": {"optim.base_lr": [0.1]}, "trails": 3}, "unknown key 'trails'"),
+    ],
+)
+def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, keys, said):
+    path = sweep_file(tmp_path, tmp_path, epochs=1, **keys)
+    proc = cli(["sweep", path, "--output", tmp_path / "out"])
+    assert proc.returncode == 2, output_of(proc)
+    assert said in proc.stderr, output_of(proc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_held_out_objective_needs_held_out_images(tmp_path):
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})
+    spec = yaml.safe_load(path.read_text())
+    spec["train"]["data"]["val_split"] = 0
+    path.write_text(yaml.safe_dump(spec))
+    proc = cli(["sweep", path, "--output", tmp_path / "out"])
+    assert proc.returncode == 2 and "needs held-out images" in proc.stderr, output_of(proc)
+
+
+# --- a sweep of four trials, two at once, stopped and resumed -------------------------------
+
+
+@pytest.fixture(scope="module")
+def resumed_sweep(tmp_path_factory, demo_small):
+    """A grid of 4 trials, 2 at once, 1 worker each. SIGTERM once a trial is mid-run, then the same command."""
+    folder = tmp_path_factory.mktemp("sweep")
+    path = sweep_file(
+        folder,
+        demo_small,
+        epochs=60,
+        search={"optim.base_lr": [0.02, 0.05], "run.seed": [1, 2]},
+        sampler="grid",
+        trials=4,
+        pruner="none",
+        parallel=2,
+    )
+    out = folder / "out"
+    command = [*HVD_TRAIN, "sweep", path, "--output", out]
+    proc = start(command)
+    try:
+        cut = _wait_for_a_trial_mid_run(out, proc)
+        os.kill(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        kill_group(proc)
+    stopped = (proc.returncode, stdout + stderr)
+    after_stop = [(t.number, t.state.name, dict(t.user_attrs)) for t in study_of(out).get_trials()]
+    resumed = run(command, timeout=600)
+    return {"out": out, "stopped": stopped, "cut": cut, "after_stop": after_stop, "resumed": resumed}
+
+
+def _wait_for_a_trial_mid_run(out: Path, proc, timeout: float = 240) -> str:
+    """The folder of a trial that has checkpoints of 3 epochs or more, not yet its summary."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        for trial in sorted(out.glob("trial-*")):
+            epochs = list((trial / "checkpoints").glob("epoch-*"))
+            if len(epochs) >= 1 and (trial / "metrics.csv").is_file() and not (trial / "summary.json").exists():
+                rows = (trial / "metrics.csv").read_text().splitlines()
+                if len(rows) >= 4:
+                    return trial.name
+        time.sleep(0.05)
+    pytest.fail("no trial reached its third epoch")
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_sweep_hands_its_running_trials_back(resumed_sweep):
+    code, output = resumed_sweep["stopped"]
+    assert code == 75, output
+    assert "run the same command to go on" in output
+    handed_back = [n for n, state, attrs in resumed_sweep["after_stop"] if state == "FAIL"]
+    retries = {
+        attrs["retry_of"]: attrs["folder"] for n, state, attrs in resumed_sweep["after_stop"] if "retry_of" in attrs
+    }
+    assert handed_back and set(handed_back) == set(retries), resumed_sweep["after_stop"]
+    assert resumed_sweep["cut"] in retries.values()
+
+
+@pytest.mark.multiprocess
+def test_the_resumed_sweep_runs_the_trials_asked_for_and_the_cut_one_from_its_checkpoint(resumed_sweep):
+    proc, out = resumed_sweep["resumed"], resumed_sweep["out"]
+    assert proc.returncode == 0, output_of(proc)
+    summary = json.loads((out / "sweep.json").read_text())
+    assert summary["counts"]["complete"] == 4 and len(summary["rows"]) == 4, summary
+    # Every point of the grid once, each finished trial's value the one its run measured.
+    assert sorted((r["params"]["optim.base_lr"], r["params"]["run.seed"]) for r in summary["rows"]) == [
+        (0.02, 1),
+        (0.02, 2),
+        (0.05, 1),
+        (0.05, 2),
+    ]
+    for row in summary["rows"]:
+        run_summary = json.loads((out / row["folder"] / "summary.json").read_text())
+        assert row["value"] == pytest.approx(run_summary["val_accuracy"])
+        assert (out / row["folder"] / "report.html").is_file()
+    log = (out / resumed_sweep["cut"] / "trial.log").read_text()
+    assert "resuming from" in log and "stopped by SIGTERM" in log, log[-3000:]
+    # The study is Optuna's own: the same trials, read back from its storage.
+    complete = study_of(out).get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    assert sorted(t.value for t in complete) == sorted(r["value"] for r in summary["rows"])
+
+
+@pytest.mark.multiprocess
+def test_the_best_trial_is_written_as_a_config_train_takes(resumed_sweep):
+    from hvd_train.config.sources import from_sources
+
+    out = resumed_sweep["out"]
+    summary = json.loads((out / "sweep.json").read_text())
+    best = max(summary["rows"], key=lambda r: r["value"])
+    assert summary["best"]["number"] == best["number"]
+    cfg = from_sources(yaml_path=str(out / "best.yaml"))
+    assert (cfg.optim.base_lr, cfg.run.seed) == (best["params"]["optim.base_lr"], best["params"]["run.seed"])
+    assert cfg.run.output == str(out.resolve() / "best")
+    page = (out / "sweep.html").read_text()
+    ranked = sorted(summary["rows"], key=lambda r: -r["value"])
+    places = [page.index(f"href='{r['folder']}/report.html'") for r in ranked]
+    assert places == sorted(places), "the trials table is not sorted by the objective"
+    assert "data:image/png;base64," in page
+
+
+# --- pruning ---------------------------------------------------------------------------------
+
+
+def test_a_hopeless_trial_is_pruned_after_an_epoch(tmp_path, demo_small):
+    path = sweep_file(
+        tmp_path,
+        demo_small,
+        epochs=40,
+        search={"optim.base_lr": {"log_uniform": [0.01, 10.0]}, "run.seed": {"int": [1, 3]}},
+        first=[
+            {"optim.base_lr": 0.05, "run.seed": 1},
+            {"optim.base_lr": 0.05, "run.seed": 2},
+            {"optim.base_lr": 8.0, "run.seed": 1},
+        ],
+        objective="val_loss",
+        trials=3,
+        sampler="random",
+        pruner="median",
+        prune_startup_trials=2,
+    )
+    proc = run([*HVD_TRAIN, "sweep", path, "--output", tmp_path / "out"], timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert summary["direction"] == "minimize"
+    states = {r["params"]["optim.base_lr"]: r for r in summary["rows"]}
+    hopeless = states[8.0]
+    assert hopeless["state"] == "pruned", summary
+    assert hopeless["epochs"] < 40 and "pruned at epoch" in hopeless["note"]
+    assert summary["epochs_saved_by_pruning"] == 40 - hopeless["epochs"]
+    assert f"trial {hopeless['number']} pruned at epoch" in proc.stderr
+    # Stopped as a scheduler stops a run: on its checkpoint, not killed.
+    assert "stopped by SIGTERM" in (tmp_path / "out" / hopeless["folder"] / "trial.log").read_text()
