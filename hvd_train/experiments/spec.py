@@ -78,9 +78,19 @@ class Sweep:
     first: tuple[dict[str, Any], ...] = ()
     heartbeat: float = 10.0
 
-    def trial_config(self, params: dict[str, Any], output: str) -> dict[str, dict[str, Any]]:
-        """The ``train --config`` mapping of one trial: the base, ``params``, and ``output``."""
+    def trial_config(self, params: dict[str, Any], output: str, experiment: str = "") -> dict[str, dict[str, Any]]:
+        """The ``train --config`` mapping of one trial: the base, ``params``, and ``output``.
+
+        Tracked (``train.run.track: mlflow``), a sweep is one MLflow experiment
+        (``experiment``, unless the base names one) with a run per trial,
+        named after the trial's folder.
+        """
         values = {section: dict(body) for section, body in self.train.items()}
+        run = values.setdefault("run", {})
+        if run.get("track") == "mlflow":
+            run.setdefault("track_run", os.path.basename(output))
+            if experiment:
+                run.setdefault("track_experiment", experiment)
         for key, value in {**params, "run.output": output}.items():
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
@@ -108,7 +118,7 @@ def load(path: str, **overrides: Any) -> Sweep:
     except yaml.YAMLError as e:
         raise UserError(f"sweep file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
     if not isinstance(loaded, dict):
-        raise UserError(f"sweep file {path} must hold a mapping with `train` and `search`; see docs/sweeps.md.")
+        raise UserError(f"sweep file {path} must hold a mapping with `train` and `search`; see docs/experiments.md.")
     loaded.update({k: v for k, v in overrides.items() if v is not None})
     return parse(loaded, path)
 
@@ -129,7 +139,7 @@ def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
         raise fail("`train.run.output` is set by the sweep (each trial a folder of its own); remove it.")
     search = loaded.get("search")
     if not isinstance(search, dict) or not search:
-        raise fail("`search` must map train options (e.g. optim.base_lr) to their spaces; see docs/sweeps.md.")
+        raise fail("`search` must map train options (e.g. optim.base_lr) to their spaces; see docs/experiments.md.")
     spaces = {str(key): _space(str(key), body, fail) for key, body in search.items()}
     values = {k: v for k, v in loaded.items() if k not in ("train", "search", "first")}
     if "direction" not in values:  # a loss is minimized, anything else maximized

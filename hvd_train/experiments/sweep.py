@@ -132,7 +132,7 @@ class SweepRun:
             shown,
             f" (goes on from trial {retry}'s checkpoint)" if retry is not None else "",
         )
-        job = TrialJob(sweep, os.path.join(self.folder, name), params, slot, self.stopping)
+        job = TrialJob(sweep, os.path.join(self.folder, name), params, slot, self.stopping, self.study.study_name)
         try:
             outcome = job.run(trial)
         except UserError as e:

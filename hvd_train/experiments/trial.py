@@ -111,13 +111,17 @@ class TrialJob:
     params: dict
     slot: Slot
     stopping: object  # threading.Event: the sweep is stopping
+    experiment: str = ""  # the MLflow experiment of a tracked sweep: the study's name
     reported: dict = field(default_factory=dict)  # epoch -> value
 
     def run(self, trial) -> Outcome:
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, CONFIG), "w", encoding="utf-8") as f:
-            yaml.safe_dump(self.sweep.trial_config(self.params, os.path.abspath(self.folder)), f, sort_keys=False)
+            config = self.sweep.trial_config(self.params, os.path.abspath(self.folder), self.experiment)
+            yaml.safe_dump(config, f, sort_keys=False)
         lock = self._lock()
+        if lock is None:  # the sweep stopped while the earlier job of this folder ended
+            return Outcome("stopped", note="stopped before it started")
         started = time.monotonic()
         try:
             with open(os.path.join(self.folder, LOG), "ab") as out:
@@ -128,7 +132,8 @@ class TrialJob:
                     stdin=subprocess.DEVNULL,
                     env=self._env(),
                     pass_fds=(lock,),
-                    preexec_fn=_child_setup(self.slot.cores, self.stop_signal()),
+                    start_new_session=True,
+                    preexec_fn=_stop_with_parent(self.stop_signal()),
                 )
                 outcome = self._watch(proc, trial)
         finally:
@@ -139,11 +144,13 @@ class TrialJob:
     def command(self) -> list[str]:
         train = [sys.executable, "-m", "hvd_train", "train", "--config", os.path.join(self.folder, CONFIG)]
         np_ = str(self.sweep.workers)
+        # The slot's cores: the launcher's and its ranks' (a rank counts the cores it may use).
+        cores = ["taskset", "-c", ",".join(map(str, self.slot.cores))]
         if self.sweep.launcher == "mpirun":
-            return ["mpirun", "-np", np_, "--bind-to", "none", "-x", "PATH", "-x", "PYTHONUNBUFFERED", *train]
+            return [*cores, "mpirun", "-np", np_, "--bind-to", "none", "-x", "PATH", "-x", "PYTHONUNBUFFERED", *train]
         # Gloo: horovodrun's ranks are its own children, and a SIGTERM to it reaches them. (With
         # MPI it would replace itself with a shell running mpirun, which the signal may outlive.)
-        return [sys.executable, "-m", "hvd_train", "launch", "-np", np_, "--gloo", *train]
+        return [*cores, sys.executable, "-m", "hvd_train", "launch", "-np", np_, "--gloo", *train]
 
     def stop_signal(self) -> int:
         """What stops the job as a scheduler would: mpirun passes SIGUSR1 on at once, SIGTERM after 1 s."""
@@ -155,7 +162,8 @@ class TrialJob:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.slot.gpus)
         return env
 
-    def _lock(self) -> int:
+    def _lock(self) -> int | None:
+        """The trial folder's lock, once its earlier job (if any) has ended; None if the sweep stops first."""
         fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + LOCK_WAIT
         said = False
@@ -164,6 +172,9 @@ class TrialJob:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
             except BlockingIOError:
+                if self.stopping.is_set():
+                    os.close(fd)
+                    return None
                 if time.monotonic() > deadline:
                     os.close(fd)
                     from hvd_train.errors import UserError
@@ -247,16 +258,18 @@ class TrialJob:
         return Outcome("complete", float(value), last)
 
 
-def _child_setup(cores: tuple[int, ...], stop: int):
-    """Runs in the child before it starts the launcher: a process group of its own, its cores, and
-    the stop signal when the sweep dies."""
+def _stop_with_parent(stop: int):
+    """Runs in the child before it becomes the launcher: ``stop`` when the sweep process dies.
+
+    Only a system call (no allocation, no lock: the sweep has threads).
+    """
     prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
 
     def setup() -> None:
-        os.setsid()
         prctl(_PR_SET_PDEATHSIG, stop, 0, 0, 0)
-        if cores:
-            os.sched_setaffinity(0, cores)
+        if os.getppid() != parent:  # the sweep died before the line above
+            os.kill(os.getpid(), stop)
 
     return setup
 
