@@ -55,6 +55,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(0.0 < o.lr_drop_factor <= 1.0, "--lr-drop-factor", o.lr_drop_factor, "use (0, 1]")
     _require(o.lr_drop_period >= 1, "--lr-drop-period", o.lr_drop_period, "use a whole number >= 1")
     _require(o.head_lr_mult > 0, "--head-lr-mult", o.head_lr_mult, "use a number > 0")
+    _require(0.0 <= o.weight_decay < 1.0, "--weight-decay", o.weight_decay, "use [0, 1), e.g. 0.05 with adamw")
+    _require(
+        o.optimizer != "adamw" or o.weight_decay > 0,
+        "--weight-decay",
+        o.weight_decay,
+        "--optimizer adamw decays weights: give --weight-decay > 0 (e.g. 0.05), or use adam",
+    )
+    _require(
+        r.track == "none" or not h.elastic,
+        "--track",
+        r.track,
+        "tracking an elastic job (whose rank 0 may change) is not supported yet: drop --track or --elastic",
+    )
+    _require(0.0 <= o.label_smoothing < 1.0, "--label-smoothing", o.label_smoothing, "use [0, 1), e.g. 0.1")
     _require(
         o.head_lr_mult == 1.0 or o.optimizer == "sgd",
         "--head-lr-mult",

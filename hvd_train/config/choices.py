@@ -21,7 +21,9 @@ AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
 BN_MODES = ("auto", "inference", "train")
 HEAD_NORMS = ("auto", "layer", "none")
 LR_SCHEDULES = ("cosine", "step", "constant")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+TRACKERS = ("none", "mlflow")
+CLASS_WEIGHTS = ("none", "auto")
 BAD_IMAGE_POLICIES = ("skip", "fail")
 IMAGE_CHECKS = ("quick", "full", "none")  # data.sources
 S3_RETRY_MODES = ("standard", "adaptive")
@@ -160,7 +162,8 @@ class OptimConfig:
     """Optimizer and learning-rate schedule.
 
     Attributes:
-        optimizer: ``sgd`` (with momentum) or ``adam``.
+        optimizer: ``sgd`` (with momentum), ``adam``, or ``adamw`` (Adam
+            with ``weight_decay``, which it needs).
         base_lr: learning rate of one worker with ``batch_size`` images; it is
             scaled linearly with the global batch (Goyal et al., 2017).
             ``auto``: rank 0 runs the learning-rate range test (``lr_find``)
@@ -172,6 +175,16 @@ class OptimConfig:
         lr_drop_factor: factor of each ``step`` drop (MATLAB's LearnRateDropFactor).
         lr_drop_period: epochs between ``step`` drops (MATLAB's LearnRateDropPeriod).
         head_lr_mult: learning-rate multiplier of the new head (MATLAB uses 10).
+        weight_decay: decoupled weight decay (Loshchilov and Hutter): each
+            update shrinks every kernel by ``lr * weight_decay`` of itself,
+            apart from the gradient; BatchNorm, LayerNorm and bias variables
+            (all of rank 1) are left alone. With any optimizer.
+        label_smoothing: the training loss's targets are ``1 - s`` on the
+            label and ``s / classes`` spread over all classes (Szegedy et
+            al.); held-out loss and accuracy are scored against plain labels.
+        class_weights: ``auto``: each training image weighs ``images /
+            (classes x images of its class)``, so every class weighs the
+            same in the loss (for unbalanced folders); ``none``.
     """
 
     optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)
@@ -188,6 +201,13 @@ class OptimConfig:
     lr_drop_factor: float = _opt(0.1, "--lr-drop-factor", "factor of each step drop")
     lr_drop_period: int = _opt(10, "--lr-drop-period", "epochs between step drops")
     head_lr_mult: float = _opt(1.0, "--head-lr-mult", "learning-rate multiplier of the new head (SGD)")
+    weight_decay: float = _opt(
+        0.0, "--weight-decay", "decoupled weight decay of the kernels (not norms' or biases' variables), any optimizer"
+    )
+    label_smoothing: float = _opt(0.0, "--label-smoothing", "label smoothing of the training loss, in [0, 1)")
+    class_weights: str = _opt(
+        "none", "--class-weights", "auto: weigh each class's images by inverse frequency", choices=CLASS_WEIGHTS
+    )
 
 
 @dataclass(frozen=True)
@@ -315,6 +335,13 @@ class RunConfig:
             worker or a kill may be there too. In an elastic job, ``commit``
             and ``rollback`` lines mark what was kept: a step counts once a
             commit follows it before any rollback.
+        track: ``mlflow``: rank 0 logs the run to MLflow (parameters,
+            every epoch's metrics, the run's files at the end); ``none``.
+        track_uri: the MLflow tracking URI; empty: ``MLFLOW_TRACKING_URI``,
+            else MLflow's default (``sqlite:///mlflow.db`` in the working
+            folder).
+        track_experiment: the MLflow experiment (``hvd_train``).
+        track_run: the MLflow run's name (the --output folder's name).
     """
 
     output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
@@ -342,6 +369,10 @@ class RunConfig:
     )
     log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
     sample_log: str = _opt("", "--sample-log", "folder where each rank logs the image ids of every step (audits)")
+    track: str = _opt("none", "--track", "mlflow: rank 0 logs the run to MLflow", choices=TRACKERS)
+    track_uri: str = _opt("", "--track-uri", "MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's own)")
+    track_experiment: str = _opt("hvd_train", "--track-experiment", "MLflow experiment of the run")
+    track_run: str = _opt("", "--track-run", "MLflow run name (default: the --output folder's name)")
 
 
 @dataclass(frozen=True)
@@ -362,4 +393,5 @@ class TrainConfig:
         """The configuration as YAML, with no secret in it (an endpoint's user:password is dropped)."""
         values = self.to_dict()
         values["data"]["s3_endpoint"] = redact_url(values["data"]["s3_endpoint"])
+        values["run"]["track_uri"] = redact_url(values["run"]["track_uri"])
         return yaml.safe_dump(values, sort_keys=False)

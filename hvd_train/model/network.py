@@ -120,16 +120,35 @@ class Net:
         precision: the resolved precision (``fp32``, ``mixed_float16``, ``mixed_bfloat16``).
     """
 
-    def __init__(self, base: keras.Model, cfg: TrainConfig, seed: int, rank: int, precision: str = "fp32"):
+    def __init__(
+        self,
+        base: keras.Model,
+        cfg: TrainConfig,
+        seed: int,
+        rank: int,
+        precision: str = "fp32",
+        class_counts: list[int] | None = None,
+    ):
         self.model = Classifier(base.inputs, base.outputs, name=base.name)
         self.model.head_lr_mult = cfg.optim.head_lr_mult
         self.model.xla_jit = cfg.compute.xla == "jit"
         self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
         self.precision = precision
-        self.optimizer = wrap_optimizer(make_optimizer(cfg), precision)
+        optimizer = make_optimizer(cfg)
+        if cfg.optim.weight_decay:
+            # Kernels decay; BatchNorm's and LayerNorm's scales and offsets and the biases (rank 1) do not.
+            optimizer.exclude_from_weight_decay(var_list=[v for v in base.trainable_variables if v.shape.rank <= 1])
+        self.optimizer = wrap_optimizer(optimizer, precision)
+        classes = int(base.outputs[0].shape[-1])
         self.model.compile(
-            optimizer=self.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"]
+            optimizer=self.optimizer, loss=training_loss(cfg.optim.label_smoothing, classes), metrics=["accuracy"]
         )
+        # --class-weights auto: images / (classes x images of the class), the same for every rank.
+        self._class_weights = None
+        if cfg.optim.class_weights == "auto" and class_counts:
+            counts = np.asarray(class_counts, np.float64)
+            weights = np.where(counts > 0, counts.sum() / (len(counts) * np.maximum(counts, 1)), 0.0)
+            self._class_weights = tf.constant(weights, tf.float32)
         # Optimizer state and metric sums must exist before they can be restored and broadcast.
         self.optimizer.build(self.model.trainable_variables)
         self._build_metrics()
@@ -245,6 +264,8 @@ class Net:
         with tf.xla.experimental.jit_scope(compile_ops=False):  # a variable that grows: XLA cannot
             self._stand_ins.assign(tf.concat([self._stand_ins, tf.boolean_mask(ids, ids < 0)], 0))
         weights = tf.cast(ids >= 0, tf.float32)
+        if self._class_weights is not None:
+            weights *= tf.gather(self._class_weights, tf.cast(labels, tf.int32))
         self.model.train_step((images, labels, weights))
 
     def _write_audit(self, ids) -> bool:
@@ -310,16 +331,46 @@ class Net:
         self.model.reset_metrics()
 
 
+def training_loss(smoothing: float, classes: int) -> keras.losses.Loss:
+    """Sparse categorical cross-entropy, against smoothed targets when ``smoothing`` > 0."""
+    if not smoothing:
+        return keras.losses.SparseCategoricalCrossentropy()
+    return SmoothedCrossentropy(smoothing, classes)
+
+
+class SmoothedCrossentropy(keras.losses.Loss):
+    """Cross-entropy against ``1 - s`` on the label and ``s / classes`` on every class (``--label-smoothing``)."""
+
+    def __init__(self, smoothing: float, classes: int, name: str = "smoothed_crossentropy"):
+        super().__init__(name=name)
+        self.smoothing = smoothing
+        self.classes = classes
+
+    def call(self, y_true, y_pred):
+        onehot = tf.one_hot(tf.cast(tf.reshape(y_true, [-1]), tf.int32), self.classes, dtype=tf.float32)
+        probs = tf.cast(y_pred, tf.float32)
+        return keras.losses.categorical_crossentropy(onehot, probs, label_smoothing=self.smoothing)
+
+    def get_config(self) -> dict:
+        return {**super().get_config(), "smoothing": self.smoothing, "classes": self.classes}
+
+
 def make_optimizer(cfg: TrainConfig):
-    """SGD (with momentum) or Adam, wrapped by Horovod's ``DistributedOptimizer``.
+    """SGD (with momentum), Adam or AdamW, wrapped by Horovod's ``DistributedOptimizer``.
 
     The learning rate is a plain variable: each compiled step sets it from
-    the schedule before its update (see ``Net.run_steps``).
+    the schedule before its update (see ``Net.run_steps``). Weight decay is
+    Keras's decoupled one: each update first shrinks each decayed variable
+    by ``learning rate x weight_decay`` of itself.
     """
-    if cfg.optim.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=cfg.optim.base_lr, momentum=cfg.optim.momentum)
+    o = cfg.optim
+    decay = o.weight_decay or None
+    if o.optimizer == "sgd":
+        optimizer = keras.optimizers.SGD(learning_rate=o.base_lr, momentum=o.momentum, weight_decay=decay)
+    elif o.optimizer == "adamw":
+        optimizer = keras.optimizers.AdamW(learning_rate=o.base_lr, weight_decay=o.weight_decay)
     else:
-        optimizer = keras.optimizers.Adam(learning_rate=cfg.optim.base_lr)
+        optimizer = keras.optimizers.Adam(learning_rate=o.base_lr, weight_decay=decay)
     return gradients.distributed_optimizer(
         optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
     )

@@ -150,7 +150,7 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
 
     with Ticker(log, f"building {job.spec.name}"):
         base = ctx.agree(build, name="build_model") if collective else build()
-    return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision)
+    return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision, class_counts=job.train.counts())
 
 
 def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
