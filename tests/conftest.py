@@ -236,6 +236,17 @@ def demo_small(tmp_path_factory) -> Path:
     return Path(make_demo_data(str(tmp_path_factory.mktemp("demo") / "data"), per_class=23, size=40))
 
 
+# --- A real MLflow tracking server on 127.0.0.1 (mlflow_server.py) ---------------------------------
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    from mlflow_server import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()) as uri:
+        yield uri
+
+
 # --- A real S3-compatible server on 127.0.0.1 (moto in server mode: real HTTP) ---
 
 # Credentials of the test server. Distinctive, so a test can search outputs for them.

@@ -10,12 +10,12 @@ import signal
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 
 from conftest import HVD_TRAIN, TINY_NET, cli, kill_group, output_of, run, start
-
-optuna = pytest.importorskip("optuna")
+from mlflow_server import mlflow_runs_of
 
 BASE = {
     "model": {"name": f"{TINY_NET}:backbone", "weights": "none"},
@@ -176,7 +176,7 @@ def test_the_best_trial_is_written_as_a_config_train_takes(resumed_sweep):
 # --- pruning ---------------------------------------------------------------------------------
 
 
-def test_a_hopeless_trial_is_pruned_after_an_epoch(tmp_path, demo_small):
+def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_run(tmp_path, demo_small, mlflow_server):
     path = sweep_file(
         tmp_path,
         demo_small,
@@ -193,6 +193,9 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch(tmp_path, demo_small):
         pruner="median",
         prune_startup_trials=2,
     )
+    spec = yaml.safe_load(path.read_text())
+    spec["train"]["run"].update(track="mlflow", track_uri=mlflow_server)
+    path.write_text(yaml.safe_dump(spec))
     proc = run([*HVD_TRAIN, "sweep", path, "--output", tmp_path / "out"], timeout=600)
     assert proc.returncode == 0, output_of(proc)
     summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
@@ -205,3 +208,14 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch(tmp_path, demo_small):
     assert f"trial {hopeless['number']} pruned at epoch" in proc.stderr
     # Stopped as a scheduler stops a run: on its checkpoint, not killed.
     assert "stopped by SIGTERM" in (tmp_path / "out" / hopeless["folder"] / "trial.log").read_text()
+    # The sweep is one MLflow experiment (the study's name), a run per trial; the pruned one KILLED.
+    client, runs = mlflow_runs_of(mlflow_server, "out")
+    by_name = {r.info.run_name: r for r in runs}
+    assert sorted(by_name) == sorted(r["folder"] for r in summary["rows"])
+    assert by_name[hopeless["folder"]].info.status == "KILLED"
+    for row in summary["rows"]:
+        if row["state"] == "complete":
+            logged = by_name[row["folder"]]
+            assert logged.info.status == "FINISHED"
+            assert logged.data.metrics["final_val_loss"] == pytest.approx(row["value"])
+            assert float(logged.data.params["optim.base_lr"]) == row["params"]["optim.base_lr"]

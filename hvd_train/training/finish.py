@@ -107,6 +107,12 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
                 summary["images_per_sec"] or 0,
                 ctx.size,
             )
+        if cfg.run.tensorboard:
+            from hvd_train.experiments.tracking import write_hparams
+
+            write_hparams(cfg, summary)
+        if history.tracker is not None:
+            history.tracker.finish(summary)
         log.info("outputs in %s", cfg.run.output)
     return Outcome(summary, net.model)
 

@@ -248,6 +248,8 @@ class Loop:
         # The checkpoint first: a full disk must not cost the epoch because a CSV row did not fit.
         path = self.boundary.save_checkpoint()
         self.ctx.on_root(lambda: self.reporters.epoch_end(epoch, logs, path), name=f"report.{epoch}")
+        if self.history.tracker is not None:  # rank 0's; a failed call is a warning
+            self.history.tracker.log_epoch(epoch + 1, logs)
         self.boundary.commit_now()
         if self.reporters:
             # The curves after the checkpoint and an elastic commit, not beside them: drawing

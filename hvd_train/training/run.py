@@ -38,6 +38,7 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
     """
     stop = stop_requests()
     stopped = False
+    history = None
     try:
         if cfg.horovod.elastic:
             training = ElasticTraining(cfg, ctx, stop)
@@ -48,16 +49,30 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
             job = resolve_base_lr(load_data(cfg, ctx), ctx)
             net = build_net(job, ctx)
             state, history = start_state(job, ctx, net)
+            history.tracker = start_tracking(cfg, ctx, resumed=history.resumed_from is not None)
             fit(job, ctx, net, state, stop, history)
         return finish(job, ctx, net, state, history)
     except Preempted:
         # The handlers stay until the process ends: the same stop may reach this rank
         # again on its way out (from its launcher), and must not kill it there.
         stopped = True
+        if history is not None and history.tracker is not None:
+            history.tracker.stopped()
         raise
     finally:
         if not stopped:
             stop.uninstall()
+
+
+def start_tracking(cfg: TrainConfig, ctx: Context, resumed: bool):
+    """Rank 0's MLflow run (``--track mlflow``), or None; a tracking server that does not answer stops every rank."""
+    if cfg.run.track == "none":
+        return None
+    from hvd_train.experiments.tracking import Tracker
+
+    started = []
+    ctx.on_root(lambda: started.append(Tracker.start(cfg, resumed)), name="tracking")
+    return started[0] if started else None
 
 
 def fit(job: Job, ctx: Context, net: Net, state: TrainState, stop: StopRequests, history: History) -> None:

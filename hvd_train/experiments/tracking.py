@@ -1,0 +1,217 @@
+"""``--track mlflow``: rank 0 logs a run to MLflow; TensorBoard's HParams plugin gets the same (``write_hparams``).
+
+One MLflow run per training run (its id kept in ``OUTPUT/mlflow_run.json``,
+so a resumed run goes on logging to the same MLflow run): the resolved
+configuration as parameters (flattened as ``section.option``, credentials
+left out as in ``run_config.yaml``), every epoch's metrics.csv row as
+metrics at that epoch, and at the end the run's files as artefacts
+(curves.png, confusion.png, report.html, summary.json, run_config.yaml,
+labels.json, model.keras) and its final numbers.
+
+The tracking server is asked at the start: a URI that does not answer stops
+the run then, with the URI named, not after hours of training. Once
+training runs, a failed log call is a warning: the run's own files hold
+everything, and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import yaml
+
+from hvd_train import files
+from hvd_train.data.storage import redact_url
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("track")
+
+RUN_FILE = "mlflow_run.json"
+ARTEFACTS = (
+    "curves.png",
+    "confusion.png",
+    "report.html",
+    "summary.json",
+    "run_config.yaml",
+    "labels.json",
+    "model.keras",
+)
+# The numbers of summary.json logged as the run's final metrics.
+FINAL = ("val_accuracy", "val_top5", "val_loss", "images_per_sec", "images_per_sec_first_epoch")
+
+
+def _mlflow():
+    try:
+        import mlflow
+    except ImportError:
+        raise UserError("--track mlflow needs MLflow: pip install 'hvd_train[track]'.") from None
+    return mlflow
+
+
+def flat_params(config_yaml: str) -> dict[str, str]:
+    """``section.option`` -> value of a ``run_config.yaml`` text (credentials already left out)."""
+    values = yaml.safe_load(config_yaml) or {}
+    return {f"{section}.{name}": str(value) for section, body in values.items() for name, value in body.items()}
+
+
+class Tracker:
+    """Rank 0's MLflow run (see the module docstring)."""
+
+    def __init__(self, output: str, uri: str, experiment: str, run_name: str):
+        self.output = output
+        self.uri = uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.client = None
+        self.run_id = ""
+
+    @classmethod
+    def start(cls, cfg, resumed: bool) -> Tracker | None:
+        """The run's tracker (None without ``--track``); its MLflow run begun, or found again after a resume.
+
+        Raises:
+            UserError: MLflow is not installed, or the tracking URI does not answer.
+        """
+        run = cfg.run
+        if run.track != "mlflow":
+            return None
+        mlflow = _mlflow()
+        uri = run.track_uri or mlflow.get_tracking_uri()
+        experiment = run.track_experiment or "hvd_train"
+        tracker = cls(run.output, uri, experiment, run.track_run or os.path.basename(os.path.abspath(run.output)))
+        tracker._begin(mlflow, cfg, resumed)
+        return tracker
+
+    def _begin(self, mlflow, cfg, resumed: bool) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.uri)
+        kept = _read_run_file(os.path.join(self.output, RUN_FILE))
+        try:
+            _probe(self.uri)
+            if resumed and kept.get("run_id") and kept.get("tracking_uri") == redact_url(self.uri):
+                self.run_id = kept["run_id"]
+                self.client.update_run(self.run_id, status="RUNNING")
+                log.info("MLflow: going on with run %s in %s", self.run_id, redact_url(self.uri))
+                return
+            found = self.client.get_experiment_by_name(self.experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+            created = self.client.create_run(
+                experiment_id, run_name=self.run_name, tags={"hvd_train.output": self.output}
+            )
+            self.run_id = created.info.run_id
+            params = flat_params(cfg.to_yaml())
+            items = sorted(params.items())
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters a call
+                self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
+        except Exception as e:  # MLflow raises its own errors and requests' for a server that is not there
+            raise UserError(
+                f"cannot log to MLflow at {redact_url(self.uri)} ({_first_line(e)}); start the tracking server, "
+                "or check --track-uri / MLFLOW_TRACKING_URI."
+            ) from None
+        with files.replacing(os.path.join(self.output, RUN_FILE), "w") as f:
+            json.dump({"tracking_uri": redact_url(self.uri), "run_id": self.run_id, "experiment": self.experiment}, f)
+        log.info("MLflow: run %s in experiment %s at %s", self.run_id, self.experiment, redact_url(self.uri))
+
+    def log_epoch(self, epoch: int, logs: dict[str, Any]) -> None:
+        """The numbers of epoch ``epoch`` (1-based), as metrics.csv has them."""
+        metrics = {k: float(v) for k, v in logs.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        self._log_metrics(metrics, step=epoch)
+
+    def finish(self, summary: dict[str, Any], status: str = "FINISHED") -> None:
+        """The final numbers and the run's files; the MLflow run ends with ``status``."""
+        final = {f"final_{k}": summary[k] for k in FINAL if isinstance(summary.get(k), int | float)}
+        self._log_metrics(final, step=0)
+        _write_report(self.output)
+        for name in ARTEFACTS:
+            path = os.path.join(self.output, name)
+            if os.path.isfile(path):
+                self._call(self.client.log_artifact, self.run_id, path)
+        self._call(self.client.set_terminated, self.run_id, status)
+
+    def stopped(self) -> None:
+        """A stop signal ended the run on a checkpoint: the MLflow run is KILLED until a resume goes on with it."""
+        self._call(self.client.set_terminated, self.run_id, "KILLED")
+
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, v, now, step) for k, v in metrics.items()]
+        if batch:
+            self._call(self.client.log_batch, self.run_id, metrics=batch)
+
+    def _call(self, method, *args, **kwargs) -> None:
+        try:
+            method(*args, **kwargs)
+        except Exception as e:  # tracking is a copy: the run's own files hold everything
+            log.warning("MLflow at %s: %s failed (%s)", redact_url(self.uri), method.__name__, _first_line(e))
+
+
+def write_hparams(cfg, summary: dict[str, Any]) -> None:
+    """TensorBoard's HParams plugin: the resolved configuration and the final numbers, in ``tensorboard/hparams``.
+
+    ``tensorboard --logdir`` over a sweep's folder (or any runs' parent)
+    then compares the runs by their options, with no server of ours.
+    """
+    from tensorboard.plugins.hparams import api as hp
+
+    from hvd_train.compat import tf
+
+    values = yaml.safe_load(cfg.to_yaml()) or {}
+    hparams = {
+        f"{section}.{name}": value if isinstance(value, bool | int | float | str) else str(value)
+        for section, body in values.items()
+        for name, value in body.items()
+    }
+    folder = os.path.join(cfg.run.output, "tensorboard", "hparams")
+    try:
+        # One session: a resumed run's end replaces the earlier end's.
+        shutil.rmtree(folder, ignore_errors=True)
+        writer = tf.summary.create_file_writer(folder)
+        with writer.as_default():
+            hp.hparams(hparams, trial_id=os.path.basename(os.path.abspath(cfg.run.output)))
+            for key in FINAL:
+                if isinstance(summary.get(key), int | float):
+                    tf.summary.scalar(f"final/{key}", summary[key], step=0)
+        writer.close()
+    except Exception as e:  # TensorFlow's own errors (a full disk): the run's files hold it all
+        log.warning("could not write TensorBoard's hparams to %s: %s", folder, _first_line(e))
+
+
+def _probe(uri: str, timeout: float = 10.0) -> None:
+    """Asks a tracking server's ``/health`` once: MLflow's client would retry a server that is not
+    there for minutes before it fails."""
+    import urllib.parse
+    import urllib.request
+
+    if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
+        return
+    with urllib.request.urlopen(f"{redact_url(uri).rstrip('/')}/health", timeout=timeout):
+        pass
+
+
+def _write_report(output: str) -> None:
+    from hvd_train.results import report_page
+
+    try:
+        report_page.write(output)
+    except (UserError, OSError) as e:
+        log.warning("could not write the report of %s: %s", output, e)
+
+
+def _read_run_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -1,0 +1,101 @@
+"""``--track mlflow`` against a real MLflow tracking server on 127.0.0.1 (SQLite backend), read back with
+MLflow's client; TensorBoard's HParams from the event files."""
+
+import json
+
+import pytest
+
+from conftest import TINY, cli, free_port, output_of
+from mlflow_server import mlflow_runs_of
+
+SECRET = "tracking-secret-5b1e-never-logged"
+# TINY with TensorBoard on: HParams are written beside its logs.
+TRACKED = [a for a in TINY if a != "--no-tensorboard"]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(mlflow_server, tmp_path_factory, demo_small):
+    """Two epochs tracked, then a resume to three: one MLflow run."""
+    out = tmp_path_factory.mktemp("tracked") / "run"
+    args = [
+        "train",
+        "--data",
+        demo_small,
+        "--output",
+        out,
+        "--val-split",
+        "0.2",
+        *TRACKED,
+        "--track",
+        "mlflow",
+        "--track-uri",
+        mlflow_server,
+        "--track-experiment",
+        "flowers",
+        # A credential in the configuration must reach no parameter.
+        "--s3-endpoint",
+        f"http://someone:{SECRET}@127.0.0.1:9",
+    ]
+    first = cli([*args, "--epochs", "2"])
+    second = cli([*args, "--epochs", "3"])
+    return {"out": out, "first": first, "second": second}
+
+
+def test_a_tracked_run_logs_its_config_epochs_and_files_to_one_mlflow_run(tracked_run, mlflow_server):
+    for proc in (tracked_run["first"], tracked_run["second"]):
+        assert proc.returncode == 0, output_of(proc)
+    out = tracked_run["out"]
+    client, runs = mlflow_runs_of(mlflow_server, "flowers")
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    run = runs[0]
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert json.loads((out / "mlflow_run.json").read_text())["run_id"] == run.info.run_id
+    params = run.data.params
+    assert params["optim.base_lr"] == "0.01" and params["run.track"] == "mlflow"
+    # Every epoch once, the resumed ones included, as metrics.csv has them.
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    csv_rows = (out / "metrics.csv").read_text().splitlines()
+    assert sorted(m.step for m in history) == [1, 2, 3] == list(range(1, len(csv_rows)))
+    summary = json.loads((out / "summary.json").read_text())
+    assert run.data.metrics["final_val_accuracy"] == pytest.approx(summary["val_accuracy"])
+    files = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"model.keras", "summary.json", "curves.png", "report.html", "run_config.yaml"} <= files, files
+
+
+def test_no_credential_reaches_mlflow(tracked_run, mlflow_server):
+    client, runs = mlflow_runs_of(mlflow_server, "flowers")
+    logged = json.dumps(runs[0].data.params) + json.dumps(runs[0].data.tags)
+    assert "127.0.0.1:9" in logged and SECRET not in logged
+    for proc in (tracked_run["first"], tracked_run["second"]):
+        assert SECRET not in proc.stdout + proc.stderr
+
+
+def test_tensorboard_hparams_hold_the_config_and_the_final_numbers(tracked_run):
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from hvd_train.compat import tf
+
+    events = list((tracked_run["out"] / "tensorboard" / "hparams").glob("events.out.tfevents.*"))
+    assert events
+    hparams, finals = {}, {}
+    for path in events:
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "hparams":
+                    data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                    if data.HasField("session_start_info"):
+                        hparams = dict(data.session_start_info.hparams)
+                elif value.tag.startswith("final/"):
+                    finals[value.tag] = float(tf.make_ndarray(value.tensor))
+    assert hparams["optim.base_lr"].number_value == pytest.approx(0.01)
+    assert hparams["run.track"].string_value == "mlflow"
+    summary = json.loads((tracked_run["out"] / "summary.json").read_text())
+    assert finals["final/val_accuracy"] == pytest.approx(summary["val_accuracy"])
+
+
+def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, demo_small):
+    uri = f"http://someone:{SECRET}@127.0.0.1:{free_port()}"
+    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--track", "mlflow", "--track-uri", uri])
+    assert proc.returncode == 2, output_of(proc)
+    assert "cannot log to MLflow at http://127.0.0.1:" in proc.stderr and SECRET not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
