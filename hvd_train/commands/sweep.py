@@ -11,7 +11,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "sweep",
         help="search training options over many runs (Optuna): trials in parallel, pruning, resume",
-        description="Run the trials of a sweep file (docs/sweeps.md): each a Horovod job of `hvd-train train` "
+        description="Run the trials of a sweep file (docs/experiments.md): each a Horovod job of `hvd-train train` "
         "in OUTPUT/trial-NNNN, searched by Optuna (grid, random or TPE), hopeless ones pruned after an epoch. "
         "Writes OUTPUT/sweep.html, sweep.json and best.yaml (the best trial's configuration, for "
         "`hvd-train train --config`). Stopped (SIGTERM), the same command goes on.",
