@@ -2,10 +2,11 @@
 MLflow's client; TensorBoard's HParams from the event files."""
 
 import json
+import shutil
 
 import pytest
 
-from conftest import TINY, cli, free_port, output_of
+from conftest import TINY, cli, free_port, output_of, png_with_a_corrupt_middle
 from mlflow_server import mlflow_runs_of
 
 SECRET = "tracking-secret-5b1e-never-logged"
@@ -99,3 +100,14 @@ def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, 
     assert proc.returncode == 2, output_of(proc)
     assert "cannot log to MLflow at http://127.0.0.1:" in proc.stderr and SECRET not in proc.stderr
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_run_that_fails_in_training_ends_its_mlflow_run_failed(tmp_path, demo_small, mlflow_server):
+    data = tmp_path / "data"
+    shutil.copytree(demo_small, data)
+    png_with_a_corrupt_middle(next(data.iterdir()) / "corrupt.png")  # passes the quick check, fails to decode
+    args = ["train", "--data", data, "--output", tmp_path / "run", *TINY, "--on-bad-image", "fail"]
+    proc = cli([*args, "--track", "mlflow", "--track-uri", mlflow_server, "--track-experiment", "failing"])
+    assert proc.returncode == 2 and "during training; fix or remove it" in proc.stderr, output_of(proc)
+    _, runs = mlflow_runs_of(mlflow_server, "failing")
+    assert [r.info.status for r in runs] == ["FAILED"]

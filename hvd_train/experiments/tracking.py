@@ -138,6 +138,10 @@ class Tracker:
         """A stop signal ended the run on a checkpoint: the MLflow run is KILLED until a resume goes on with it."""
         self._call(self.client.set_terminated, self.run_id, "KILLED")
 
+    def failed(self) -> None:
+        """The run ended on an error: the MLflow run is FAILED (a rerun that resumes goes on with it)."""
+        self._call(self.client.set_terminated, self.run_id, "FAILED")
+
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 

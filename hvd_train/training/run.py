@@ -59,6 +59,10 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
         if history is not None and history.tracker is not None:
             history.tracker.stopped()
         raise
+    except BaseException:
+        if history is not None and history.tracker is not None:
+            history.tracker.failed()
+        raise
     finally:
         if not stopped:
             stop.uninstall()
