@@ -71,6 +71,14 @@ def test_a_held_out_objective_needs_held_out_images(tmp_path):
     assert proc.returncode == 2 and "needs held-out images" in proc.stderr, output_of(proc)
 
 
+@pytest.mark.parametrize(("epochs", "given", "first"), [(12, 0, 4), (2, 0, 1), (12, 3, 3)])
+def test_pruning_waits_a_third_of_the_epochs_unless_told(tmp_path, epochs, given, first):
+    from hvd_train.experiments import spec
+
+    path = sweep_file(tmp_path, tmp_path, epochs=epochs, search={"optim.base_lr": [0.1]}, prune_warmup_epochs=given)
+    assert spec.load(str(path)).first_prunable_epoch() == first
+
+
 # --- a sweep of four trials, two at once, stopped and resumed -------------------------------
 
 
@@ -99,16 +107,52 @@ def resumed_sweep(tmp_path_factory, demo_small):
         kill_group(proc)
     stopped = (proc.returncode, stdout + stderr)
     after_stop = [(t.number, t.state.name, dict(t.user_attrs)) for t in study_of(out).get_trials()]
+    # Then a sweep killed outright (a lost machine) while a trial it started is mid-run.
+    before = {p.name for p in out.glob("trial-*")}
+    proc = start(command)
+    try:
+        killed = _wait_for_a_trial_mid_run(out, proc, skip=before)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        left = _jobs_of(out, until=time.monotonic() + 60)
+    finally:
+        kill_group(proc)
     resumed = run(command, timeout=600)
-    return {"out": out, "stopped": stopped, "cut": cut, "after_stop": after_stop, "resumed": resumed}
+    return {
+        "out": out,
+        "stopped": stopped,
+        "cut": cut,
+        "after_stop": after_stop,
+        "killed": killed,
+        "left_running": left,
+        "resumed": resumed,
+    }
 
 
-def _wait_for_a_trial_mid_run(out: Path, proc, timeout: float = 240) -> str:
+def _jobs_of(out: Path, until: float) -> list[str]:
+    """The command lines of processes still running a trial of ``out`` at ``until`` (or none before)."""
+    while True:
+        left = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(out) in line and " train " in line:
+                left.append(line)
+        if not left or time.monotonic() > until:
+            return left
+        time.sleep(0.2)
+
+
+def _wait_for_a_trial_mid_run(out: Path, proc, timeout: float = 240, skip=()) -> str:
     """The folder of a trial that has checkpoints of 3 epochs or more, not yet its summary."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         for trial in sorted(out.glob("trial-*")):
+            if trial.name in skip:
+                continue
             epochs = list((trial / "checkpoints").glob("epoch-*"))
             if len(epochs) >= 1 and (trial / "metrics.csv").is_file() and not (trial / "summary.json").exists():
                 rows = (trial / "metrics.csv").read_text().splitlines()
@@ -129,6 +173,17 @@ def test_a_stopped_sweep_hands_its_running_trials_back(resumed_sweep):
     }
     assert handed_back and set(handed_back) == set(retries), resumed_sweep["after_stop"]
     assert resumed_sweep["cut"] in retries.values()
+
+
+@pytest.mark.multiprocess
+def test_a_killed_sweeps_trial_stops_with_it_and_the_next_sweep_takes_it_back(resumed_sweep):
+    out, killed = resumed_sweep["out"], resumed_sweep["killed"]
+    assert resumed_sweep["left_running"] == []
+    log = (out / killed / "trial.log").read_text()
+    assert "stopped by SIGTERM" in log and log.count("resuming from") >= 1, log[-3000:]
+    assert f"lost its sweep process: handed back, to go on from its checkpoint in {killed}" in (
+        resumed_sweep["resumed"].stderr
+    ), output_of(resumed_sweep["resumed"])
 
 
 @pytest.mark.multiprocess
@@ -192,6 +247,7 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
         sampler="random",
         pruner="median",
         prune_startup_trials=2,
+        prune_warmup_epochs=1,
     )
     spec = yaml.safe_load(path.read_text())
     spec["train"]["run"].update(track="mlflow", track_uri=mlflow_server)

@@ -68,7 +68,7 @@ class Sweep:
     sampler: str = "tpe"
     pruner: str = "median"
     prune_startup_trials: int = 2
-    prune_warmup_epochs: int = 1
+    prune_warmup_epochs: int = 0  # 0: a third of the epochs (at least 1)
     parallel: int = 1
     workers: int = 1
     launcher: str = "horovodrun"
@@ -95,6 +95,18 @@ class Sweep:
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
         return values
+
+    def first_prunable_epoch(self) -> int:
+        """The first epoch a trial may be pruned at: ``prune_warmup_epochs``, else a third of the epochs.
+
+        Networks trained from scratch (BatchNorm's statistics still settling)
+        are all at chance for an epoch or two; pruning there would keep
+        whichever trial happened to start less badly.
+        """
+        if self.prune_warmup_epochs:
+            return self.prune_warmup_epochs
+        epochs = int((self.train.get("run") or {}).get("epochs", 10))
+        return max(1, epochs // 3)
 
     def grid(self) -> dict[str, list]:
         """Every value of every option, for the grid sampler."""
@@ -200,6 +212,10 @@ def _check(sweep: Sweep, fail) -> None:
     _require(sweep.pruner in PRUNERS, f"`pruner` must be one of {', '.join(PRUNERS)}.")
     _require(sweep.launcher in LAUNCHERS, f"`launcher` must be one of {', '.join(LAUNCHERS)}.")
     _require(sweep.direction in ("maximize", "minimize"), "`direction` must be maximize or minimize.")
+    _require(
+        isinstance(sweep.prune_warmup_epochs, int) and sweep.prune_warmup_epochs >= 0,
+        "`prune_warmup_epochs` must be a whole number >= 1 (or 0: a third of the epochs).",
+    )
     for key in ("trials", "parallel", "workers", "prune_startup_trials"):
         value = getattr(sweep, key)
         _require(isinstance(value, int) and value >= 1, f"`{key}` must be a whole number >= 1. Received: {value!r}")

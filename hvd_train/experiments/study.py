@@ -96,10 +96,10 @@ def _sampler(op, sweep: Sweep):
 def _pruner(op, sweep: Sweep):
     if sweep.pruner == "median":
         return op.pruners.MedianPruner(
-            n_startup_trials=sweep.prune_startup_trials, n_warmup_steps=sweep.prune_warmup_epochs
+            n_startup_trials=sweep.prune_startup_trials, n_warmup_steps=sweep.first_prunable_epoch()
         )
     if sweep.pruner == "halving":
-        return op.pruners.SuccessiveHalvingPruner(min_resource=max(1, sweep.prune_warmup_epochs))
+        return op.pruners.SuccessiveHalvingPruner(min_resource=sweep.first_prunable_epoch())
     return op.pruners.NopPruner()
 
 
@@ -157,6 +157,25 @@ def is_stale(attrs: dict, heartbeat: float, now: float | None = None) -> bool:
     return (now or time.time()) - float(attrs.get("alive", 0)) > STALE_BEATS * heartbeat
 
 
+def tell(study, trial, value=None, **state) -> None:
+    """``study.tell``, past two complaints of Optuna's grid sampler after the trial is stored.
+
+    The sampler asks the study to stop after the last point of its grid,
+    which Optuna refuses outside ``Study.optimize`` (this sweep stops anyway
+    once its trials are done); and it looks for the grid point of an
+    enqueued trial (a trial handed back, or one of ``first``), which has its
+    options fixed instead (its original's point counts as visited).
+    """
+    try:
+        study.tell(trial, value, **state)
+    except RuntimeError as e:
+        if "Study.stop" not in str(e):
+            raise
+    except KeyError as e:
+        if e.args != ("grid_id",):
+            raise
+
+
 def hand_back(study, frozen, why: str) -> bool:
     """Fails ``frozen`` (a running trial) and enqueues it again with its options and folder.
 
@@ -164,8 +183,8 @@ def hand_back(study, frozen, why: str) -> bool:
     """
     op = optuna()
     try:
-        study.tell(frozen.number, state=op.trial.TrialState.FAIL)
-    except (RuntimeError, ValueError):
+        tell(study, frozen.number, state=op.trial.TrialState.FAIL)
+    except (op.exceptions.UpdateFinishedTrialError, ValueError):  # finished, or handed back, by another process
         return False
     folder = frozen.user_attrs.get("folder", trial_folder_name(frozen.number))
     study.enqueue_trial(dict(frozen.params), user_attrs={"retry_of": frozen.number, "folder": folder})

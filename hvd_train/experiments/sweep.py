@@ -151,7 +151,7 @@ class SweepRun:
                 studies.hand_back(self.study, trial, outcome.note or "stopped")
                 return
             if outcome.state == "complete":
-                _tell(self.study, trial, outcome.value)
+                studies.tell(self.study, trial, outcome.value)
                 _write_report(os.path.join(self.folder, trial.user_attrs["folder"]))
                 best = self.study.best_trial
                 log.info(
@@ -164,31 +164,12 @@ class SweepRun:
                     best.value,
                 )
             elif outcome.state == "pruned":
-                _tell(self.study, trial, state=op.trial.TrialState.PRUNED)
+                studies.tell(self.study, trial, state=op.trial.TrialState.PRUNED)
                 log.info("trial %d %s (%s)", trial.number, outcome.note, shown)
             else:
-                _tell(self.study, trial, state=op.trial.TrialState.FAIL)
+                studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
                 log.warning("trial %d failed: %s", trial.number, outcome.note)
             pages.write(sweep, self.study, self.folder)
-
-
-def _tell(study, trial, value=None, **state) -> None:
-    """``study.tell``, past two complaints of Optuna's grid sampler after the trial is stored.
-
-    The sampler asks the study to stop after the last point of its grid,
-    which Optuna refuses outside ``Study.optimize`` (this sweep stops anyway
-    once its trials are done); and it looks for the grid point of an
-    enqueued trial (a trial handed back, or one of ``first``), which has its
-    options fixed instead (its original's point counts as visited).
-    """
-    try:
-        study.tell(trial, value, **state)
-    except RuntimeError as e:
-        if "Study.stop" not in str(e):
-            raise
-    except KeyError as e:
-        if e.args != ("grid_id",):
-            raise
 
 
 def _write_report(folder: str) -> None:
