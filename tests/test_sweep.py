@@ -52,6 +52,8 @@ def study_of(folder: Path):
         ({"search": {"optim.base_lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, "grid sampler takes"),
         ({"search": {"optim.base_lr": [0.1, 0.2]}, "sampler": "grid", "trials": 3}, "more than the grid's 2"),
         ({"search": {"optim.base_lr": [0.1]}, "trails": 3}, "unknown key 'trails'"),
+        ({"search": {"optim.base_lr": [0.1]}, "trials": 1, "first": [{}, {}]}, "more than `trials`"),
+        ({"search": {"optim.base_lr": [0.1]}, "first": [{"optim.momentum": 0.5}]}, "searched options only"),
     ],
 )
 def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, keys, said):

@@ -231,6 +231,7 @@ def _check(sweep: Sweep, fail) -> None:
             f"pruning needs an objective that metrics.csv has after each epoch ({', '.join(EPOCH_METRICS)}); "
             f"{sweep.objective!r} is not: use pruner: none.",
         )
+    _require(len(sweep.first) <= sweep.trials, f"`first` has {len(sweep.first)} entries: more than `trials`.")
     for entry in sweep.first:
         _require(
             isinstance(entry, dict) and set(entry) <= set(sweep.search),
