@@ -6,6 +6,7 @@ Optuna's, in SQLite in the sweep's folder, read back with Optuna itself.
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -277,3 +278,15 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
             assert logged.info.status == "FINISHED"
             assert logged.data.metrics["final_val_loss"] == pytest.approx(row["value"])
             assert float(logged.data.params["optim.base_lr"]) == row["params"]["optim.base_lr"]
+
+
+def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
+    path = sweep_file(
+        tmp_path, demo_small, epochs=1, search={"run.seed": [1]}, trials=1, pruner="none", launcher="mpirun"
+    )
+    proc = run([*HVD_TRAIN, "sweep", path, "--output", tmp_path / "out"], timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert summary["counts"]["complete"] == 1
+    log = (tmp_path / "out" / "trial-0000" / "trial.log").read_text()
+    assert re.match(r"\$ taskset -c [0-9,]+ mpirun -np 1 --bind-to none ", log) and "outputs in" in log, log[:3000]

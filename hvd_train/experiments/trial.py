@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from hvd_train import files
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.log import get_logger
@@ -116,17 +118,20 @@ class TrialJob:
 
     def run(self, trial) -> Outcome:
         os.makedirs(self.folder, exist_ok=True)
-        with open(os.path.join(self.folder, CONFIG), "w", encoding="utf-8") as f:
-            config = self.sweep.trial_config(self.params, os.path.abspath(self.folder), self.experiment)
-            yaml.safe_dump(config, f, sort_keys=False)
         lock = self._lock()
         if lock is None:  # the sweep stopped while the earlier job of this folder ended
             return Outcome("stopped", note="stopped before it started")
         started = time.monotonic()
         try:
+            with files.replacing(os.path.join(self.folder, CONFIG), "w") as f:
+                config = self.sweep.trial_config(self.params, os.path.abspath(self.folder), self.experiment)
+                yaml.safe_dump(config, f, sort_keys=False)
             with open(os.path.join(self.folder, LOG), "ab") as out:
+                command = self.command()
+                out.write(f"$ {shlex.join(command)}\n".encode())  # the job's command first, as a user would run it
+                out.flush()
                 proc = subprocess.Popen(
-                    self.command(),
+                    command,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
