@@ -112,6 +112,10 @@ print(json.dumps(out))
 # One collective that Horovod runs here, so the timeline shows it records them.
 import horovod.tensorflow as hvd
 tf.function(lambda: hvd.allreduce(tf.constant(1.0), name="timeline_control"))()  # eager ops go unnamed
+# Horovod's timeline is written by a thread of its own, which stops at shutdown with whatever it has not
+# written yet (once, on a loaded machine, the whole timeline): time to write the queue first.
+import time
+time.sleep(1.0)
 hvd.shutdown()
 """
 
