@@ -12,7 +12,8 @@ def add_parser(subparsers) -> None:
         "sweep",
         help="search training options over many runs (Optuna): trials in parallel, pruning, resume",
         description="Run the trials of a sweep file (docs/experiments.md): each a Horovod job of `hvd-train train` "
-        "in OUTPUT/trial-NNNN, searched by Optuna (grid, random or TPE), hopeless ones pruned after an epoch. "
+        "in OUTPUT/trial-NNNN, searched by Optuna (grid, random or TPE), hopeless ones pruned early (median or "
+        "successive halving). "
         "Writes OUTPUT/sweep.html, sweep.json and best.yaml (the best trial's configuration, for "
         "`hvd-train train --config`). Stopped (SIGTERM), the same command goes on.",
     )
