@@ -91,7 +91,7 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     yaml_path = yaml_path or (getattr(args, "config", None) if args else None)
     if yaml_path:
-        _merge(values, _read_yaml(yaml_path), yaml_path)
+        _merge(values, read_yaml(yaml_path), yaml_path)
     for key, value in vars(args or argparse.Namespace()).items():
         if "." in key:
             section, name = key.split(".", 1)
@@ -140,16 +140,24 @@ def _coerce(value: Any, typ: type, key: str) -> Any:
     return coerced
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def read_yaml(path: str, kind: str = "config file", check: str = "check --config", holds: str = "") -> dict[str, Any]:
+    """The mapping a YAML file holds (an empty file: an empty one).
+
+    Raises:
+        UserError: naming the ``kind`` of file and ``path``: it cannot be
+            read (then ``check``), is not YAML, or holds no mapping (it must
+            hold ``holds``; by default the sections of a ``--config`` file).
+    """
     try:
         with open(path, encoding="utf-8") as f:
             loaded = yaml.safe_load(f) or {}
     except OSError as e:
-        raise UserError(f"cannot read config file {path}: {e.strerror}; check --config.") from None
+        raise UserError(f"cannot read {kind} {path}: {e.strerror}; {check}.") from None
     except yaml.YAMLError as e:
-        raise UserError(f"config file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
+        raise UserError(f"{kind} {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
     if not isinstance(loaded, dict):
-        raise UserError(f"config file {path} must hold a mapping of sections ({', '.join(SECTIONS)}).")
+        holds = holds or f"a mapping of sections ({', '.join(SECTIONS)})"
+        raise UserError(f"{kind} {path} must hold {holds}.")
     return loaded
 
 

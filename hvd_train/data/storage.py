@@ -316,11 +316,12 @@ def s3_message(e: Exception, action: str, bucket: str, key: str, endpoint: str, 
     if code in ("AccessDenied", "403", "AllAccessDisabled"):
         return f"access denied to {action} {where}{via}; the credentials lack permission for this bucket."
     if code:
-        return f"S3 error {code} when trying to {action} {where}{via}: {_first_line(e)}"
-    return f"cannot {action} {where}{via}: {type(e).__name__}: {_first_line(e)}"
+        return f"S3 error {code} when trying to {action} {where}{via}: {first_line(e)}"
+    return f"cannot {action} {where}{via}: {type(e).__name__}: {first_line(e)}"
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An error's first line for a message, with no ``user:password@`` of any URL it quotes."""
     text = str(e).strip()
     # botocore quotes the request URL in some errors, user:password@ of the endpoint included.
     text = re.sub(r"(\w+://)[^/@\s\"']+@", r"\1", text)

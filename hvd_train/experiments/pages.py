@@ -27,15 +27,9 @@ BEST = "best.yaml"
 
 def summarize(sweep: Sweep, study, folder: str) -> dict[str, Any]:
     """The trials (handed-back ones left out), the best one, and what pruning saved."""
-    op = studies.optuna()
-    state = op.trial.TrialState
-    trials = study.get_trials(deepcopy=False)
-    handed_back = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
-    epochs = int((sweep.train.get("run") or {}).get("epochs", 0)) or None
+    epochs = sweep.epochs()
     rows = []
-    for t in trials:
-        if t.state == state.FAIL and t.number in handed_back:
-            continue
+    for t in studies.kept(study):
         folder_name = t.user_attrs.get("folder", studies.trial_folder_name(t.number))
         rows.append(
             {
@@ -56,7 +50,7 @@ def summarize(sweep: Sweep, study, folder: str) -> dict[str, Any]:
         pick = max if sweep.direction == "maximize" else min
         best = pick(done, key=lambda r: r["value"])
     pruned = [r for r in rows if r["state"] == "pruned"]
-    saved = sum(max(0, epochs - (r["epochs"] or 0)) for r in pruned) if epochs else None
+    saved = sum(max(0, epochs - (r["epochs"] or 0)) for r in pruned)
     return {
         "study": study.study_name,
         "storage": redact_url(studies.storage_url(sweep, folder)),

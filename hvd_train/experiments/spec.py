@@ -31,10 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from hvd_train.config import sources
-from hvd_train.config.choices import TrainConfig
+from hvd_train.config.choices import RunConfig, TrainConfig
 from hvd_train.errors import UserError
 
 SAMPLERS = ("tpe", "random", "grid")
@@ -103,10 +101,11 @@ class Sweep:
         are all at chance for an epoch or two; pruning there would keep
         whichever trial happened to start less badly.
         """
-        if self.prune_warmup_epochs:
-            return self.prune_warmup_epochs
-        epochs = int((self.train.get("run") or {}).get("epochs", 10))
-        return max(1, epochs // 3)
+        return self.prune_warmup_epochs or max(1, self.epochs() // 3)
+
+    def epochs(self) -> int:
+        """Each trial's epochs: the base's, else ``train``'s default."""
+        return int((self.train.get("run") or {}).get("epochs", RunConfig().epochs))
 
     def grid(self) -> dict[str, list]:
         """Every value of every option, for the grid sampler."""
@@ -122,15 +121,9 @@ def load(path: str, **overrides: Any) -> Sweep:
     Raises:
         UserError: the file cannot be read, or names an option, space or value that cannot be.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise UserError(f"cannot read sweep file {path}: {e.strerror}; check the path.") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"sweep file {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
-    if not isinstance(loaded, dict):
-        raise UserError(f"sweep file {path} must hold a mapping with `train` and `search`; see docs/experiments.md.")
+    loaded = sources.read_yaml(
+        path, "sweep file", "check the path", "a mapping with `train` and `search`; see docs/experiments.md"
+    )
     loaded.update({k: v for k, v in overrides.items() if v is not None})
     return parse(loaded, path)
 

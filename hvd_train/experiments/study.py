@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from hvd_train.data.storage import redact_url
+from hvd_train.data.storage import first_line, redact_url
 from hvd_train.errors import UserError
 from hvd_train.experiments.spec import Sweep
 from hvd_train.log import get_logger
@@ -63,7 +63,7 @@ def open_study(sweep: Sweep, folder: str):
         )
     except Exception as e:  # SQLAlchemy's errors: a server that is not there, a wrong password
         shown = redact_url(url)
-        raise UserError(f"cannot open the study {name!r} in {shown} ({_first_line(e)}); check `storage`.") from None
+        raise UserError(f"cannot open the study {name!r} in {shown} ({first_line(e)}); check `storage`.") from None
     if study.direction.name.lower() != sweep.direction:
         raise UserError(
             f"the study {name!r} in {redact_url(url)} {study.direction.name.lower()}s; this sweep "
@@ -116,12 +116,17 @@ def suggest(trial, sweep: Sweep) -> dict[str, Any]:
     return params
 
 
-def counted(study) -> int:
-    """Trials that count towards the sweep's number: all but those handed back (see the module docstring)."""
+def kept(study) -> list:
+    """The study's trials but those handed back (see the module docstring): the sweep's trials."""
     op = optuna()
     trials = study.get_trials(deepcopy=False)
     handed_back = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
-    return sum(1 for t in trials if not (t.state == op.trial.TrialState.FAIL and t.number in handed_back))
+    return [t for t in trials if not (t.state == op.trial.TrialState.FAIL and t.number in handed_back)]
+
+
+def counted(study) -> int:
+    """Trials that count towards the sweep's number."""
+    return len(kept(study))
 
 
 def waiting(study) -> int:
@@ -201,7 +206,3 @@ def hand_back_stale(study, heartbeat: float) -> None:
 
 def trial_folder_name(number: int) -> str:
     return f"trial-{number:04d}"
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -21,12 +21,14 @@ import os
 import signal
 import threading
 
+from hvd_train.data.storage import redact_url
 from hvd_train.errors import UserError
 from hvd_train.experiments import pages
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.experiments.trial import Outcome, Slot, TrialJob, slots
 from hvd_train.log import get_logger
+from hvd_train.results import report_page
 from hvd_train.training.preemption import EXIT_PREEMPTED, STOP_SIGNALS
 
 log = get_logger("sweep")
@@ -54,7 +56,7 @@ class SweepRun:
             sweep.objective,
             sweep.parallel,
             sweep.workers,
-            pages.summarize(sweep, self.study, self.folder)["storage"],
+            redact_url(studies.storage_url(sweep, self.folder)),
         )
         previous = {sig: signal.signal(sig, self._stop) for sig in STOP_SIGNALS}
         try:
@@ -152,7 +154,7 @@ class SweepRun:
                 return
             if outcome.state == "complete":
                 studies.tell(self.study, trial, outcome.value)
-                _write_report(os.path.join(self.folder, trial.user_attrs["folder"]))
+                report_page.write_or_warn(os.path.join(self.folder, trial.user_attrs["folder"]))
                 best = self.study.best_trial
                 log.info(
                     "trial %d: %s %.4f in %.0f s; best so far: trial %d, %.4f",
@@ -170,15 +172,6 @@ class SweepRun:
                 studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
                 log.warning("trial %d failed: %s", trial.number, outcome.note)
             pages.write(sweep, self.study, self.folder)
-
-
-def _write_report(folder: str) -> None:
-    from hvd_train.results import report_page
-
-    try:
-        report_page.write(folder)
-    except (UserError, OSError) as e:
-        log.warning("could not write the report of %s: %s", folder, e)
 
 
 def _short(value) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from hvd_train import files
-from hvd_train.data.storage import redact_url
+from hvd_train.data.storage import first_line, redact_url
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -53,10 +53,10 @@ def _mlflow():
     return mlflow
 
 
-def flat_params(config_yaml: str) -> dict[str, str]:
-    """``section.option`` -> value of a ``run_config.yaml`` text (credentials already left out)."""
-    values = yaml.safe_load(config_yaml) or {}
-    return {f"{section}.{name}": str(value) for section, body in values.items() for name, value in body.items()}
+def flat_config(cfg) -> dict[str, Any]:
+    """``section.option`` -> value, as ``run_config.yaml`` has them (credentials left out)."""
+    values = yaml.safe_load(cfg.to_yaml()) or {}
+    return {f"{section}.{name}": value for section, body in values.items() for name, value in body.items()}
 
 
 class Tracker:
@@ -105,13 +105,12 @@ class Tracker:
                 experiment_id, run_name=self.run_name, tags={"hvd_train.output": self.output}
             )
             self.run_id = created.info.run_id
-            params = flat_params(cfg.to_yaml())
-            items = sorted(params.items())
+            items = sorted((k, str(v)) for k, v in flat_config(cfg).items())
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters a call
                 self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
         except Exception as e:  # MLflow raises its own errors and requests' for a server that is not there
             raise UserError(
-                f"cannot log to MLflow at {redact_url(self.uri)} ({_first_line(e)}); start the tracking server, "
+                f"cannot log to MLflow at {redact_url(self.uri)} ({first_line(e)}); start the tracking server, "
                 "or check --track-uri / MLFLOW_TRACKING_URI."
             ) from None
         with files.replacing(os.path.join(self.output, RUN_FILE), "w") as f:
@@ -127,7 +126,9 @@ class Tracker:
         """The final numbers and the run's files; the MLflow run ends with ``status``."""
         final = {f"final_{k}": summary[k] for k in FINAL if isinstance(summary.get(k), int | float)}
         self._log_metrics(final, step=0)
-        _write_report(self.output)
+        from hvd_train.results import report_page
+
+        report_page.write_or_warn(self.output)
         for name in ARTEFACTS:
             path = os.path.join(self.output, name)
             if os.path.isfile(path):
@@ -154,7 +155,7 @@ class Tracker:
         try:
             method(*args, **kwargs)
         except Exception as e:  # tracking is a copy: the run's own files hold everything
-            log.warning("MLflow at %s: %s failed (%s)", redact_url(self.uri), method.__name__, _first_line(e))
+            log.warning("MLflow at %s: %s failed (%s)", redact_url(self.uri), method.__name__, first_line(e))
 
 
 def write_hparams(cfg, summary: dict[str, Any]) -> None:
@@ -167,12 +168,7 @@ def write_hparams(cfg, summary: dict[str, Any]) -> None:
 
     from hvd_train.compat import tf
 
-    values = yaml.safe_load(cfg.to_yaml()) or {}
-    hparams = {
-        f"{section}.{name}": value if isinstance(value, bool | int | float | str) else str(value)
-        for section, body in values.items()
-        for name, value in body.items()
-    }
+    hparams = {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in flat_config(cfg).items()}
     folder = os.path.join(cfg.run.output, "tensorboard", "hparams")
     try:
         # One session: a resumed run's end replaces the earlier end's.
@@ -185,7 +181,7 @@ def write_hparams(cfg, summary: dict[str, Any]) -> None:
                     tf.summary.scalar(f"final/{key}", summary[key], step=0)
         writer.close()
     except Exception as e:  # TensorFlow's own errors (a full disk): the run's files hold it all
-        log.warning("could not write TensorBoard's hparams to %s: %s", folder, _first_line(e))
+        log.warning("could not write TensorBoard's hparams to %s: %s", folder, first_line(e))
 
 
 def _probe(uri: str, timeout: float = 10.0) -> None:
@@ -200,22 +196,9 @@ def _probe(uri: str, timeout: float = 10.0) -> None:
         pass
 
 
-def _write_report(output: str) -> None:
-    from hvd_train.results import report_page
-
-    try:
-        report_page.write(output)
-    except (UserError, OSError) as e:
-        log.warning("could not write the report of %s: %s", output, e)
-
-
 def _read_run_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -22,6 +22,7 @@ import yaml
 
 from hvd_train import __version__
 from hvd_train.errors import UserError
+from hvd_train.log import get_logger
 from hvd_train.results import plots
 
 REPORT = "report.html"
@@ -312,6 +313,14 @@ def _number(text):
     except ValueError:
         return text
     return int(value) if value.is_integer() and abs(value) >= 1 else value
+
+
+def write_or_warn(run_dir: str) -> None:
+    """``write``, where a page that cannot be written is a warning (the run's own files hold it all)."""
+    try:
+        write(run_dir)
+    except (UserError, OSError) as e:
+        get_logger("report").warning("could not write the report of %s: %s", run_dir, e)
 
 
 def write(run_dir: str, output: str | None = None) -> str:
