@@ -42,6 +42,11 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--weights", ""], "--weights"),
         (["--optimizer", "adam", "--head-lr-mult", "10"], "--head-lr-mult"),
         (["--freeze-backbone", "--trainable-layers", "3"], "--trainable-layers"),
+        (["--ema", "1.0"], "--ema"),
+        (["--mixup", "-0.2"], "--mixup"),
+        (["--cutmix", "nan"], "--cutmix"),
+        (["--early-stop", "-1"], "--early-stop"),
+        (["--early-stop", "3", "--val-split", "0"], "--early-stop"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):

@@ -209,7 +209,10 @@ def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     # One worker: 12 steps an epoch. The new worker joins at the next commit after discovery sees
     # it (the first worker waits there while it starts), in epoch 2 or after: 6 epochs, as 3 could
     # end (in 2 s) before discovery's next look.
-    proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, epochs=6)
+    # With the recipe options whose state is more than the weights: the joining worker must get the
+    # averaged weights (--ema) and the best epoch (--early-stop) too, and mix as the others do.
+    recipe = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--early-stop", "9"]
+    proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, *recipe, epochs=6)
     wait_until(proc, lambda: len(records(samples)) >= 15, "step 15")
     write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")
     proc = finish(proc)
@@ -222,6 +225,7 @@ def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     joined = [r for r in records(samples) if r["pid"] not in first]
     assert len(first) == 1 and joined, "one worker started, another joined"
     assert min(r["epoch"] for r in joined) >= 1, "the new worker joined mid-run, not from the start"
+    assert summary["early_stop"]["saved_epoch"] == summary["early_stop"]["best_epoch"], summary["early_stop"]
 
 
 def test_fewer_workers_than_min_np_fails_clearly_within_the_elastic_timeout(demo_small, tmp_path):

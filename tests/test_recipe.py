@@ -1,4 +1,4 @@
-"""The recipe options that change the step: weight decay, label smoothing, class weights.
+"""The recipe options that change the step: weight decay, label smoothing, class weights, EMA, mixup and CutMix.
 
 Each is tested for its effect, in one process of its own (Horovod's
 optimizer, the compiled steps), and once through ``train`` with a resume.
@@ -27,29 +27,34 @@ ctx = start.init(1)
 out = {}
 
 
-def cfg(**optim):
+def cfg(data=None, horovod=None, **optim):
     return config.build({
-        "data": {"train": "unused"}, "run": {"output": "unused"}, "optim": {"base_lr": 0.1, **optim},
-        "compute": {"steps_per_call": 10},
+        "data": {"train": "unused", **(data or {})}, "run": {"output": "unused"},
+        "optim": {"base_lr": 0.1, **optim}, "compute": {"steps_per_call": 10}, "horovod": horovod or {},
     })
 
 
-def net_of(features=6, classes=3, counts=None, precision="fp32", **optim):
+def net_of(features=6, classes=3, counts=None, precision="fp32", data=None, horovod=None, **optim):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((features,))
     hidden = keras.layers.BatchNormalization()(keras.layers.Dense(8, activation="relu")(inputs))
     outputs = keras.layers.Dense(classes, activation="softmax", name=HEAD_LAYER)(hidden)
-    return Net(keras.Model(inputs, outputs), cfg(**optim), 0, 0, precision, class_counts=counts)
+    return Net(keras.Model(inputs, outputs), cfg(data, horovod, **optim), 0, 0, precision, class_counts=counts)
 
 
-def train(net, xs, ys, steps, lr=0.1, batch=16):
+def train(net, xs, ys, steps, lr=0.1, batch=16, per_call=10, seen=0):
     rates = WarmupSchedule(lr, lr, 0, 1).parameters()
     ids = np.arange(len(xs), dtype=np.int64)
     data = tf.data.Dataset.from_tensor_slices((xs, ys, ids)).shuffle(len(xs), seed=0).batch(batch, drop_remainder=True)
     iterator = iter(data.repeat())
-    for done in range(0, steps, 10):
-        net.run_steps(iterator, 10, (False, False, 0.0), (0, 0, batch, batch * steps, batch * steps), rates)
+    for done in range(0, steps, per_call):
+        progress = (seen + done * batch, done, batch, batch * steps, batch * steps)
+        net.run_steps(iterator, per_call, (False, False, 0.0), progress, rates)
     return net
+
+
+def weights_of(net):
+    return [v.numpy().copy() for v in net.model.trainable_variables]
 
 
 # Weight decay with zero gradients: kernels shrink by lr x decay, rank-1 variables stay.
@@ -93,6 +98,62 @@ test_minor = rng.normal(1.2, 1.0, size=(400, 2)).astype("float32")
 for weights in ("none", "auto"):
     net = train(net_of(features=2, classes=2, counts=[450, 50], class_weights=weights), xu, yu, 300, batch=25)
     out[f"minority_recall_{weights}"] = float(np.mean(np.argmax(net.model(test_minor, training=False), 1) == 1))
+
+# EMA: after each update, average = decay x average + (1 - decay) x the new weights.
+for name, precision, horovod in (("fp32", "fp32", {}), ("mixed", "mixed_float16", {}),
+                                 ("accum", "fp32", {"grad_accum": 2})):
+    net = train(net_of(precision=precision, horovod=horovod, ema=0.9), xs, ys, 20)
+    pairs = net.averages()
+    averages, raw = [a.numpy().copy() for _, a in pairs], weights_of(net)
+    # One batch more: a whole update, or half of one under --grad-accum 2 (no update, no new average).
+    train(net, xs, ys, 1, per_call=1, seen=320)
+    moved_by_half = float(max(np.max(np.abs(a.numpy() - b)) for (_, a), b in zip(pairs, averages)))
+    if horovod:
+        train(net, xs, ys, 1, per_call=1, seen=336)
+    expected = [0.9 * a + 0.1 * w for a, w in zip(averages, weights_of(net))]
+    out[f"ema_{name}"] = {
+        "variables": len(pairs), "trainable": len(net.model.trainable_variables), "moved_by_half": moved_by_half,
+        "off_formula": float(max(np.max(np.abs(a.numpy() - e)) for (_, a), e in zip(pairs, expected))),
+        "moved": float(max(np.max(np.abs(a.numpy() - b)) for (_, a), b in zip(pairs, averages))),
+        "apart_from_weights": float(max(np.max(np.abs(a - w)) for a, w in zip(averages, raw))),
+    }
+    inside_before = weights_of(net)
+    with net.averaged():
+        inside = weights_of(net)
+    out[f"ema_{name}"]["swap"] = [
+        all(np.array_equal(i, a.numpy()) for i, (_, a) in zip(inside, pairs)),
+        all(np.array_equal(i, b) for i, b in zip(weights_of(net), inside_before)),
+    ]
+
+# Mixup and CutMix on a batch of constant images 10, 20, 30, 40; the last a stand-in (no weight) of class 1.
+from hvd_train.model.mixing import Mixer
+
+values = np.array([10.0, 20.0, 30.0, 40.0], np.float32)
+images = tf.constant(np.ones((4, 8, 8, 3), np.float32) * values[:, None, None, None])
+labels = tf.constant([0, 1, 2, 1])
+weights = tf.constant([1.0, 1.0, 0.5, 0.0])
+for kind, mixer in (("mixup", Mixer(1.0, 0.0, 3)), ("cutmix", Mixer(0.0, 1.0, 3)), ("both", Mixer(1.0, 1.0, 3))):
+    runs = []
+    for k in range(40):
+        mixed, targets, w, top = mixer.mix(images, labels, weights, tf.constant([7, k], tf.int64))
+        runs.append({"images": mixed.numpy().tolist(), "targets": targets.numpy().tolist(),
+                     "weights": w.numpy().tolist(), "labels": top.numpy().tolist()})
+    again = mixer.mix(images, labels, weights, tf.constant([7, 0], tf.int64))[0].numpy()
+    out[f"mix_{kind}"] = {"runs": runs, "same_key_same_mix": bool(np.array_equal(again, runs[0]["images"]))}
+lams = [float(Mixer(a, 0.0, 2)._beta(a, tf.constant([1, k], tf.int64))) for a in (1.0, 0.2) for k in range(1500)]
+out["beta_1"], out["beta_02"] = lams[:1500], lams[1500:]
+
+# Mixup while training: the mixing is a function of (seed, rank, images seen), and the model ends less sure.
+# (A constant rate: the progress moves nothing else. Without mixing, the progress changes nothing.)
+first, second = (weights_of(train(net_of(data={"mixup": 0.4}, lr_schedule="constant"), xs, ys, 10)) for _ in range(2))
+shifted = weights_of(train(net_of(data={"mixup": 0.4}, lr_schedule="constant"), xs, ys, 10, seen=1600))
+plain, plain_shifted = (weights_of(train(net_of(lr_schedule="constant"), xs, ys, 10, seen=s)) for s in (0, 1600))
+out["mixup_same_progress_same_weights"] = all(np.array_equal(a, b) for a, b in zip(first, second))
+out["mixup_other_progress_other_weights"] = not all(np.array_equal(a, b) for a, b in zip(first, shifted))
+out["plain_other_progress_same_weights"] = all(np.array_equal(a, b) for a, b in zip(plain, plain_shifted))
+for name, data in (("none", {}), ("mixup", {"mixup": 1.0})):
+    net = train(net_of(data=data), xs, ys, 150)
+    out[f"mixed_max_prob_{name}"] = float(np.mean(np.max(net.model(xs, training=False).numpy(), axis=1)))
 print(json.dumps(out))
 """
 
@@ -148,8 +209,137 @@ def test_the_recipe_options_go_through_train_and_a_resume(tmp_path, demo_small):
     second = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *more, *options])
     assert second.returncode == 0, output_of(second)
     assert "resuming from" in second.stderr, output_of(second)
+    assert "recipe: --optimizer adamw, --weight-decay 0.05, --label-smoothing 0.1, --class-weights auto" in (
+        second.stderr
+    ), output_of(second)
+    # Its checkpoints hold no moving averages: a resume with --ema is refused, saying why.
+    third = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY, *options, "--ema", "0.9"])
+    assert third.returncode == 2 and "holds no moving average of the weights" in third.stderr, output_of(third)
+
+
+def _arrays(checkpoint, shape):
+    """The arrays of ``shape`` in a checkpoint: ``{name: array}`` (the model's and the optimizer's)."""
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(checkpoint / "ckpt"))
+    return {n: reader.get_tensor(n) for n, s in tf.train.list_variables(str(checkpoint / "ckpt")) if s == list(shape)}
+
+
+def test_early_stop_with_ema_saves_the_best_epochs_averaged_weights_and_resumes(tmp_path, demo_small):
+    import tensorflow as tf
+
+    out = tmp_path / "run"
+    # Five classes: top-5 is always 1.0, so it never improves after epoch 1 and patience 1 ends the run
+    # after epoch 2; epoch 1's checkpoint is kept beyond --keep-checkpoints 1, and its model is saved.
+    options = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--keep-checkpoints", "1"]
+    stop = ["--early-stop", "1", "--early-stop-metric", "val_top5"]
+    command = ["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY[:-1], "3", *options]
+    first = cli([*command, *stop])
+    assert first.returncode == 0, output_of(first)
+    assert "training ends after epoch 2 of 3 (best: epoch 1" in first.stderr, output_of(first)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["early_stop"] == {
+        "metric": "val_top5",
+        "patience": 1,
+        "best_epoch": 1,
+        "best_score": 1.0,
+        "epochs_trained": 2,
+        "saved_epoch": 1,
+    }
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch-0001", "epoch-0002"]
+    recorded = yaml.safe_load((out / "run_config.yaml").read_text())
+    assert (recorded["optim"]["ema"], recorded["data"]["mixup"], recorded["data"]["cutmix"]) == (0.9, 0.2, 1.0)
+    assert (recorded["run"]["early_stop"], recorded["run"]["early_stop_metric"]) == (1, "val_top5")
+    # The saved head is epoch 1's moving average: an array the optimizer kept, not the model's own weights.
+    saved = next(
+        w for w in tf.keras.models.load_model(out / "model.keras", compile=False).get_weights() if w.shape == (32, 5)
+    )
+    best, last = _arrays(checkpoints / "epoch-0001", (32, 5)), _arrays(checkpoints / "epoch-0002", (32, 5))
+    matches = [name for name, array in best.items() if np.array_equal(array, saved)]
+    assert len(matches) == 1 and matches[0].startswith("optimizer/"), sorted(best)
+    assert not any(np.array_equal(array, saved) for array in last.values())
+    assert not np.array_equal(best[next(n for n in best if n.startswith("model/"))], saved)
+    # The held-out scores are of the saved weights, scored again: epoch 1's row of metrics.csv.
+    rows = (out / "metrics.csv").read_text().splitlines()
+    header, epoch_1 = rows[0].split(","), rows[1].split(",")
+    assert summary["val_accuracy"] == pytest.approx(float(epoch_1[header.index("val_accuracy")]))
+    # The same command again: the run stopped already. Without --early-stop it trains on from epoch 2.
+    again = cli([*command, *stop])
+    assert again.returncode == 0 and "stopped early after epoch 2 already" in again.stderr, output_of(again)
+    more = cli(command)
+    assert more.returncode == 0 and "resuming from" in more.stderr, output_of(more)
+    summary = json.loads((out / "summary.json").read_text())
+    assert "early_stop" not in summary and len((out / "metrics.csv").read_text().splitlines()) == 4
 
 
 def test_adamw_without_weight_decay_is_refused(tmp_path, demo_small):
     proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--optimizer", "adamw"])
     assert proc.returncode == 2 and "--optimizer adamw decays weights" in proc.stderr, output_of(proc)
+
+
+@pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])
+def test_ema_averages_every_trainable_variable_after_each_update(recipe, case):
+    ema = recipe[f"ema_{case}"]
+    assert ema["variables"] == ema["trainable"] == 6
+    assert ema["off_formula"] < 1e-6 and ema["moved"] > 1e-3, ema
+    if case == "accum":  # half an update (one of two accumulated passes) leaves the averages
+        assert ema["moved_by_half"] == 0.0, ema
+    assert ema["apart_from_weights"] > 1e-2, ema
+
+
+@pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])
+def test_averaged_holds_the_averages_inside_and_the_weights_after(recipe, case):
+    assert recipe[f"ema_{case}"]["swap"] == [True, True]
+
+
+def _mix_checks(run):
+    """Checks one mixed batch of the constant images 10, 20, 30, 40 (the last a stand-in); returns its lam."""
+    images = np.array(run["images"])
+    targets = np.array(run["targets"])
+    labels = [0, 1, 2, 1]
+    assert np.allclose(targets.sum(axis=1), 1.0)
+    # Image 0's partner is the stand-in: it stays whole, with its own label.
+    assert np.all(images[0] == 10.0) and targets[0].tolist() == [1.0, 0.0, 0.0]
+    assert run["weights"][3] == 0.0  # a stand-in weighs nothing, mixed or not
+    lams = []
+    for i, (mine, other) in enumerate(((20.0, 30.0), (30.0, 20.0))):
+        lam = targets[i + 1, labels[i + 1]]
+        pixels = images[i + 1]
+        if np.all(np.isin(pixels, (mine, other))):  # CutMix: lam is the share of the image's own pixels
+            assert np.mean(pixels == mine) == pytest.approx(lam, abs=1e-6)
+        else:  # mixup: every pixel is lam x own + (1 - lam) x the other
+            assert np.allclose(pixels, lam * mine + (1 - lam) * other, atol=1e-3)
+        assert run["labels"][i + 1] == (labels[i + 1] if lam >= 0.5 else labels[2 - i])
+        lams.append(lam)
+    assert lams[0] == pytest.approx(lams[1], abs=1e-6)  # one draw for the batch: lam of each one's own
+    w = run["weights"]
+    assert w[1] == pytest.approx(lams[0] * 1.0 + (1 - lams[0]) * 0.5, abs=1e-6), w
+    assert w[2] == pytest.approx(lams[0] * 0.5 + (1 - lams[0]) * 1.0, abs=1e-6), w
+    return lams[0]
+
+
+@pytest.mark.parametrize("kind", ["mixup", "cutmix", "both"])
+def test_mixing_blends_pixels_targets_and_weights_alike(recipe, kind):
+    mixed = recipe[f"mix_{kind}"]
+    assert mixed["same_key_same_mix"]
+    lams = [_mix_checks(run) for run in mixed["runs"]]
+    assert len(set(np.round(lams, 6))) > 12  # each key its own draw (CutMix's in whole pixels of 8 x 8)
+    kinds = {bool(np.all(np.isin(np.array(run["images"])[1], (20.0, 30.0)))) for run in mixed["runs"]}
+    assert kinds == {"mixup": {False}, "cutmix": {True}, "both": {False, True}}[kind]
+
+
+def test_mixing_draws_lam_from_a_symmetric_beta(recipe):
+    for alpha, name in ((1.0, "beta_1"), (0.2, "beta_02")):
+        lams = np.array(recipe[name])
+        assert np.all((lams >= 0) & (lams <= 1))
+        assert np.mean(lams) == pytest.approx(0.5, abs=0.03)
+        assert np.var(lams) == pytest.approx(1 / (4 * (2 * alpha + 1)), rel=0.12)  # Beta(a, a)'s variance
+
+
+def test_mixup_is_a_function_of_the_progress_and_makes_the_model_less_sure(recipe):
+    assert recipe["mixup_same_progress_same_weights"]
+    assert recipe["mixup_other_progress_other_weights"]
+    assert recipe["plain_other_progress_same_weights"]
+    assert recipe["mixed_max_prob_none"] > 0.99
+    assert recipe["mixed_max_prob_mixup"] < recipe["mixed_max_prob_none"] - 0.01

@@ -68,6 +68,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         r.track,
         "tracking an elastic job (whose rank 0 may change) is not supported yet: drop --track or --elastic",
     )
+    _require(0.0 <= o.ema < 1.0, "--ema", o.ema, "use a decay in [0, 1), e.g. 0.999 (0: off)")
+    for flag, alpha in (("--mixup", d.mixup), ("--cutmix", d.cutmix)):
+        _require(
+            0.0 <= alpha <= 10.0 and math.isfinite(alpha),
+            flag,
+            alpha,
+            "use an alpha in [0, 10], e.g. 0.2 or 1.0 (0: off)",
+        )
     _require(0.0 <= o.label_smoothing < 1.0, "--label-smoothing", o.label_smoothing, "use [0, 1), e.g. 0.1")
     _require(
         o.head_lr_mult == 1.0 or o.optimizer == "sgd",
@@ -116,6 +124,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     except ValueError:
         _require(False, "--log-every", r.log_every, "give a number of steps (200) or a duration (30s, 5m)")
     _require(r.epochs >= 1, "--epochs", r.epochs, "use a whole number >= 1")
+    _require(r.early_stop >= 0, "--early-stop", r.early_stop, "use a number of epochs >= 1 (0: off)")
+    _require(
+        not r.early_stop or bool(d.val) or d.val_split > 0,
+        "--early-stop",
+        r.early_stop,
+        "it watches the held-out images: give --val-data or --val-split > 0, or drop --early-stop",
+    )
     _require(r.keep_checkpoints >= 1, "--keep-checkpoints", r.keep_checkpoints, "use 1 or more")
     for flag, folder in (("--data", d.train), ("--val-data", d.val)):
         _require(

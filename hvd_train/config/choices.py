@@ -24,6 +24,7 @@ LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 TRACKERS = ("none", "mlflow")
 CLASS_WEIGHTS = ("none", "auto")
+EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5")
 BAD_IMAGE_POLICIES = ("skip", "fail")
 IMAGE_CHECKS = ("quick", "full", "none")  # data.sources
 S3_RETRY_MODES = ("standard", "adaptive")
@@ -69,6 +70,12 @@ class DataConfig:
             weight and listed.
         alpha_background: what transparent pixels are composited over
             (``white``, ``black``, ``gray``) before anything else.
+        mixup: alpha of mixup (Zhang et al.): each training image is blended
+            with another of its batch by a factor drawn from Beta(alpha,
+            alpha), and its target likewise; 0: off.
+        cutmix: alpha of CutMix (Yun et al.): a box of another image of the
+            batch is pasted in, the targets mixed by area; 0: off. With both,
+            each step does one or the other, evenly.
         s3_endpoint: URL of an S3-compatible store; empty: ``AWS_ENDPOINT_URL`` or AWS.
         s3_concurrency: S3 requests in flight per worker.
         s3_retry_mode: boto3's ``standard`` or ``adaptive`` retries.
@@ -100,6 +107,8 @@ class DataConfig:
         "colour transparent pixels (RGBA, gray+alpha, GIF) are composited over",
         choices=ALPHA_BACKGROUNDS,
     )
+    mixup: float = _opt(0.0, "--mixup", "mixup alpha: blend image pairs and their targets (0: off; e.g. 0.2)")
+    cutmix: float = _opt(0.0, "--cutmix", "CutMix alpha: paste a box of another image, mix targets by area (0: off)")
     s3_endpoint: str = _opt("", "--s3-endpoint", "URL of an S3-compatible store (default: AWS_ENDPOINT_URL or AWS)")
     s3_concurrency: int = _opt(32, "--s3-concurrency", "S3 requests in flight per worker (and pooled connections)")
     s3_retry_mode: str = _opt("standard", "--s3-retry-mode", "boto3 retry mode", choices=S3_RETRY_MODES)
@@ -185,6 +194,10 @@ class OptimConfig:
         class_weights: ``auto``: each training image weighs ``images /
             (classes x images of its class)``, so every class weighs the
             same in the loss (for unbalanced folders); ``none``.
+        ema: decay of an exponential moving average of the trainable
+            weights, updated after every optimizer update (Keras's
+            ``use_ema``); held-out scores and the saved model use the
+            averaged weights, checkpoints keep both. 0: off.
     """
 
     optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)
@@ -207,6 +220,9 @@ class OptimConfig:
     label_smoothing: float = _opt(0.0, "--label-smoothing", "label smoothing of the training loss, in [0, 1)")
     class_weights: str = _opt(
         "none", "--class-weights", "auto: weigh each class's images by inverse frequency", choices=CLASS_WEIGHTS
+    )
+    ema: float = _opt(
+        0.0, "--ema", "decay of a moving average of the weights, used to evaluate and save (0: off; e.g. 0.999)"
     )
 
 
@@ -307,6 +323,11 @@ class RunConfig:
     Attributes:
         output: folder for the model, logs, checkpoints and metrics.
         epochs: number of training epochs.
+        early_stop: stop once ``early_stop_metric`` has not improved for
+            this many epochs; the best epoch's weights are the saved model
+            (its checkpoint is kept). 0: off.
+        early_stop_metric: the held-out number watched: ``val_accuracy``,
+            ``val_top5`` (higher is better) or ``val_loss`` (lower).
         seed: seed of the split, the shuffles and the augmentation.
         resume: continue from the latest checkpoint in ``output``. False
             (``--no-resume``) starts over; the checkpoints already in
@@ -346,6 +367,12 @@ class RunConfig:
 
     output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
     epochs: int = _opt(10, "--epochs", "number of training epochs")
+    early_stop: int = _opt(
+        0, "--early-stop", "stop after this many epochs without a better held-out score; save the best (0: off)"
+    )
+    early_stop_metric: str = _opt(
+        "val_accuracy", "--early-stop-metric", "held-out number --early-stop watches", choices=EARLY_STOP_METRICS
+    )
     seed: int = _opt(42, "--seed", "seed of the split, the shuffles and the augmentation")
     resume: bool = _opt(
         True,

@@ -2,7 +2,7 @@
 
 ``Net`` holds what a rank trains with: the Keras model (a keras.applications
 backbone with a new head, see ``models``), Horovod's ``DistributedOptimizer``
-around SGD or Adam, and the compiled steps. One call of ``run_steps`` runs
+around SGD, Adam or AdamW, and the compiled steps. One call of ``run_steps`` runs
 several steps (``--steps-per-call``) in a loop inside one ``tf.function``,
 as Keras's ``steps_per_execution`` does: the host neither assigns nor reads
 anything between them. Three things make a step a pure function of the
@@ -23,6 +23,12 @@ ranks agree on when to stop without a wait of their own. Images that could
 not be decoded (negative stand-in ids) are kept on the device until the loop
 asks for them (``take_stand_ins``).
 
+The recipe options that change the step live here too: ``--mixup`` and
+``--cutmix`` mix each batch in the step (``mixing``), from ``(seed, rank,
+images seen)``; ``--ema`` is Keras's moving average of the weights, kept by
+the optimizer (``averages``, ``averaged``); ``--weight-decay`` and
+``--class-weights``.
+
 Under ``--precision mixed_float16`` the optimizer is
 ``LossScaleOptimizer(DistributedOptimizer(...))`` (see ``precision``). With
 ``--xla jit`` the forward and backward pass are compiled by XLA and the
@@ -33,6 +39,8 @@ allreduce has no XLA kernel on CPUs, and on GPUs only with
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from hvd_train.compat import keras, tf
@@ -40,6 +48,7 @@ from hvd_train.config import TrainConfig
 from hvd_train.distributed import context, gradients
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
+from hvd_train.model.mixing import Mixer, training_loss
 from hvd_train.training.schedules import graph_rate
 
 
@@ -61,11 +70,13 @@ class Classifier(keras.Model):
     xla_jit: bool = False
     fp16_allreduce: bool = False
 
-    def train_step(self, data):
+    def train_step(self, data, targets=None):
+        """One update; the loss is against ``targets`` when given (mixed ones), the metrics against the labels."""
         images, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
+        targets = labels if targets is None else targets
         variables = self.trainable_variables
         if self.xla_jit:
-            grads, probs = self._compiled_gradients(images, labels, weights)
+            grads, probs = self._compiled_gradients(images, targets, weights)
             # Horovod: the allreduce runs outside XLA (no XLA kernel for it).
             grads = gradients.allreduce_gradients(grads, fp16=self.fp16_allreduce)
             if is_loss_scaled(self.optimizer):
@@ -74,7 +85,7 @@ class Classifier(keras.Model):
         else:
             with tf.GradientTape() as tape:
                 probs = self(images, training=True)
-                loss = self.compute_loss(images, labels, probs, weights)
+                loss = self.compute_loss(images, targets, probs, weights)
             # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients
             # (under a LossScaleOptimizer: scale the loss, allreduce, unscale).
             grads_and_vars = self.optimizer.compute_gradients(loss, variables, tape=tape)
@@ -140,9 +151,10 @@ class Net:
             optimizer.exclude_from_weight_decay(var_list=[v for v in base.trainable_variables if v.shape.rank <= 1])
         self.optimizer = wrap_optimizer(optimizer, precision)
         classes = int(base.outputs[0].shape[-1])
-        self.model.compile(
-            optimizer=self.optimizer, loss=training_loss(cfg.optim.label_smoothing, classes), metrics=["accuracy"]
-        )
+        # --mixup / --cutmix: the step mixes each batch, and the loss takes the mixed targets.
+        self._mixer = Mixer(cfg.data.mixup, cfg.data.cutmix, classes) if cfg.data.mixup or cfg.data.cutmix else None
+        loss = training_loss(cfg.optim.label_smoothing, classes, soft_targets=self._mixer is not None)
+        self.model.compile(optimizer=self.optimizer, loss=loss, metrics=["accuracy"])
         # --class-weights auto: images / (classes x images of the class), the same for every rank.
         self._class_weights = None
         if cfg.optim.class_weights == "auto" and class_counts:
@@ -180,6 +192,33 @@ class Net:
     def variables(self) -> list[tf.Variable]:
         """Model and optimizer variables (the loss scale included): what rank 0 broadcasts and commits hold."""
         return list(self.model.variables) + list(self.optimizer.variables) + loss_scale_variables(self.optimizer)
+
+    def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
+        """``(trainable variable, its moving average)`` pairs under ``--ema``; empty without."""
+        inner = self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
+        if not getattr(inner, "use_ema", False):
+            return []
+        # Keras made one average per variable, in the order ``build`` was given them.
+        averages = inner._model_variables_moving_average
+        return list(zip(self.model.trainable_variables, averages, strict=True))
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """Inside: the trainable variables hold their moving averages (``--ema``); after: their own values again."""
+        pairs = self.averages()
+        own = [tf.identity(v) for v, _ in pairs]
+        for variable, average in pairs:
+            variable.assign(average)
+        try:
+            yield
+        finally:
+            for (variable, _), value in zip(pairs, own):
+                variable.assign(value)
+
+    def use_averages(self) -> None:
+        """The trainable variables take their moving averages for good (the end of a run with ``--ema``)."""
+        for variable, average in self.averages():
+            variable.assign(average)
 
     def set_rank(self, rank: int) -> None:
         self._rank.assign(rank)
@@ -224,7 +263,7 @@ class Net:
             done = tf.cast(i, tf.float64) + first
             images = seen + tf.minimum(done * per_step, pending) - tf.minimum(first * per_step, pending)
             rate.assign(tf.cast(graph_rate(self._decay, rates, images / tf.maximum(total, 1.0)), rate.dtype))
-            self._train_step(iterator)
+            self._train_step(iterator, tf.cast(images, tf.int64))
             return (i + 1,)
 
         if self._looped:
@@ -244,7 +283,8 @@ class Net:
                 report = tf.concat([report, tf.stack([started, tf.timestamp()])], 0)
         return logs, report
 
-    def _train_step(self, iterator):
+    def _train_step(self, iterator, seen):
+        """One batch of ``iterator``; ``seen``: the images of the run before it (the key of its mixing)."""
         images, labels, ids = next(iterator)
         if self.audit is not None:
             # The record comes before this rank's gradients can join an
@@ -266,7 +306,11 @@ class Net:
         weights = tf.cast(ids >= 0, tf.float32)
         if self._class_weights is not None:
             weights *= tf.gather(self._class_weights, tf.cast(labels, tf.int32))
-        self.model.train_step((images, labels, weights))
+        targets = None
+        if self._mixer is not None:
+            # From (seed, rank, images seen): the same mixing after a resume, another on each rank.
+            images, targets, weights, labels = self._mixer.mix(images, labels, weights, tf.stack([key, seen]))
+        self.model.train_step((images, labels, weights), targets)
 
     def _write_audit(self, ids) -> bool:
         self.audit(ids.numpy())
@@ -319,7 +363,8 @@ class Net:
             shape = self.model.input_shape[1:]
             zeros = tf.zeros((1, *shape))
             probs = self.model(zeros, training=False)
-            self.model.compute_loss(zeros, tf.zeros((1,), tf.int32), probs)
+            targets = tf.zeros((1, probs.shape[-1])) if self._mixer is not None else tf.zeros((1,), tf.int32)
+            self.model.compute_loss(zeros, targets, probs)
             self.model.compute_metrics(zeros, tf.zeros((1,), tf.int32), probs, None)
             self.model.reset_metrics()
 
@@ -329,30 +374,6 @@ class Net:
 
     def reset_metrics(self) -> None:
         self.model.reset_metrics()
-
-
-def training_loss(smoothing: float, classes: int) -> keras.losses.Loss:
-    """Sparse categorical cross-entropy, against smoothed targets when ``smoothing`` > 0."""
-    if not smoothing:
-        return keras.losses.SparseCategoricalCrossentropy()
-    return SmoothedCrossentropy(smoothing, classes)
-
-
-class SmoothedCrossentropy(keras.losses.Loss):
-    """Cross-entropy against ``1 - s`` on the label and ``s / classes`` on every class (``--label-smoothing``)."""
-
-    def __init__(self, smoothing: float, classes: int, name: str = "smoothed_crossentropy"):
-        super().__init__(name=name)
-        self.smoothing = smoothing
-        self.classes = classes
-
-    def call(self, y_true, y_pred):
-        onehot = tf.one_hot(tf.cast(tf.reshape(y_true, [-1]), tf.int32), self.classes, dtype=tf.float32)
-        probs = tf.cast(y_pred, tf.float32)
-        return keras.losses.categorical_crossentropy(onehot, probs, label_smoothing=self.smoothing)
-
-    def get_config(self) -> dict:
-        return {**super().get_config(), "smoothing": self.smoothing, "classes": self.classes}
 
 
 def make_optimizer(cfg: TrainConfig):
@@ -365,12 +386,15 @@ def make_optimizer(cfg: TrainConfig):
     """
     o = cfg.optim
     decay = o.weight_decay or None
+    # --ema: Keras keeps the average beside each trainable variable and updates it after each
+    # update the optimizer applies (not after an accumulated pass, nor a step the loss scale skips).
+    ema = {"use_ema": True, "ema_momentum": o.ema} if o.ema else {}
     if o.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=o.base_lr, momentum=o.momentum, weight_decay=decay)
+        optimizer = keras.optimizers.SGD(learning_rate=o.base_lr, momentum=o.momentum, weight_decay=decay, **ema)
     elif o.optimizer == "adamw":
-        optimizer = keras.optimizers.AdamW(learning_rate=o.base_lr, weight_decay=o.weight_decay)
+        optimizer = keras.optimizers.AdamW(learning_rate=o.base_lr, weight_decay=o.weight_decay, **ema)
     else:
-        optimizer = keras.optimizers.Adam(learning_rate=o.base_lr, weight_decay=decay)
+        optimizer = keras.optimizers.Adam(learning_rate=o.base_lr, weight_decay=decay, **ema)
     return gradients.distributed_optimizer(
         optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
     )

@@ -161,6 +161,8 @@ class Boundary:
             "metrics": self.history.metrics_of(state.epoch - 1),
             "data": self.job.data_identity(),
             "reason": reason,
+            # --ema: whether the optimizer's state holds moving averages of the weights.
+            "ema": self.cfg.optim.ema,
             # What summary.json lists as skipped, so that a resumed run lists it too.
             "skipped": [[path, why, when] for path, (why, when) in self.history.skipped.items()],
             "undecodable": sorted({i for _, ids in gathered for i in ids}),

@@ -80,8 +80,13 @@ def folder(output: str) -> str:
 def name_for(state: TrainState) -> str:
     """``epoch-NNNN`` at an epoch's end, ``epoch-NNNN-step-SSSSSS`` inside one."""
     if state.epoch_steps == 0:
-        return f"epoch-{state.epoch:04d}"
+        return epoch_end_name(state.epoch)
     return f"epoch-{state.epoch:04d}-step-{state.epoch_steps:06d}"
+
+
+def epoch_end_name(epochs: int) -> str:
+    """The name of the checkpoint written after ``epochs`` whole epochs (its first generation)."""
+    return f"epoch-{epochs:04d}"
 
 
 def _order(name: str) -> tuple[int, int, int] | None:
@@ -162,7 +167,9 @@ def save(
             f"cannot write checkpoint {final} ({reason}); {hint} or choose another --output. "
             f"The previous checkpoints are intact."
         ) from None
-    _prune(root, final, keep)
+    # --early-stop: the best epoch's checkpoint is the model the run will save.
+    best = epoch_end_name(state.best_epoch + 1) if state.best_epoch >= 0 else None
+    _prune(root, final, keep, best)
     return final
 
 
@@ -341,18 +348,34 @@ def restore(found: Found, model, optimizer) -> dict[str, np.ndarray]:
         return {k: f[k] for k in f.files}
 
 
-def _prune(root: str, written: str, keep: int) -> None:
+def of_epoch_end(output: str, epochs: int) -> Found | None:
+    """The newest intact checkpoint written after ``epochs`` whole epochs (any generation), or None."""
+    want = _order(epoch_end_name(epochs))[:2]
+    for path in candidates(output):
+        if _order(os.path.basename(path))[:2] == want:
+            try:
+                return _verify_again_if_unreadable(path)
+            except ValueError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+    return None
+
+
+def _prune(root: str, written: str, keep: int, best: str | None = None) -> None:
     """Keeps ``written`` and the newest ``keep - 1`` checkpoints before it; removes the rest.
 
     Checkpoints that sort after ``written`` are from before a resume that
     went back to an earlier one: the run left that course, and they would
-    shadow every new checkpoint on the next resume.
+    shadow every new checkpoint on the next resume. ``best`` (a name
+    without its generation) keeps its newest generation before ``written``.
     """
     names = candidates(os.path.dirname(root))
     newer = names[: names.index(written)] if written in names else []
     older = names[names.index(written) + 1 :] if written in names else []
     for path in newer:
         log.info("removing checkpoint %s: it is from before the resume to an earlier one", path)
+    if best is not None:
+        kept = [path for path in older if _order(os.path.basename(path))[:2] == _order(best)[:2]][:1]
+        older = [path for path in older if path not in kept]
     for path in newer + older[max(0, keep - 1) :]:
         shutil.rmtree(path, ignore_errors=True)
     for name in os.listdir(root):  # temporaries of crashed writers

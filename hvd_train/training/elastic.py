@@ -28,6 +28,7 @@ from hvd_train.distributed import elastic, gradients
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
+from hvd_train.training import early_stop
 from hvd_train.training.audit import log_sample_event
 from hvd_train.training.job import History, Job
 from hvd_train.training.loop import Loop
@@ -66,7 +67,7 @@ class ElasticTraining(elastic.ElasticSession):
             self.state, history = start_state(self.job, self.ctx, self.net)
             self.history = history
             commit()
-        if self.state.epoch >= self.cfg.run.epochs:
+        if self.state.epoch >= self.cfg.run.epochs or early_stop.exhausted(self.cfg.run, self.state):
             return
         Loop(self.job, self.ctx, self.net, self.state, self.stop, self.history, commit=commit).run()
 

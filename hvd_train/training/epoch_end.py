@@ -89,7 +89,8 @@ def close_epoch(
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
     gradients.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
     if job.val is not None:
-        result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}", held_out)
+        with net.averaged():  # --ema: the averaged weights are the ones scored (and saved)
+            result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}", held_out)
         logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
     history.epochs[epoch] = logs
     return logs

@@ -30,7 +30,7 @@ from hvd_train.model.network import Net
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
 from hvd_train.results.inference import CONFIG, LABELS, MODEL, model_files
-from hvd_train.training import epoch_end
+from hvd_train.training import early_stop, epoch_end
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
@@ -73,6 +73,11 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     """Final evaluation, identical-weights check, ``model.keras`` and ``summary.json``."""
     cfg = job.cfg
     final = history.last_eval
+    best = early_stop.restore_best(cfg.run, ctx, net, state)
+    if best is not None:
+        final = None  # the best epoch's weights, scored again
+    # --ema: the averaged weights are the model from here on (the checkpoints keep both).
+    net.use_averages()
     if final is None and job.val is not None:
         final = epoch_end.evaluate_held_out(job, ctx, net, state.batch_size, history, "val.final")
     digests = ctx.allgather_object(_weights_digest(net.model), name="weights_digest")
@@ -80,6 +85,15 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     if not identical:
         log.error("ranks ended with different weights: %s", digests)
     summary = _summary(job, ctx, state, final, history, digests, identical)
+    if cfg.run.early_stop:
+        summary["early_stop"] = {
+            "metric": cfg.run.early_stop_metric,
+            "patience": cfg.run.early_stop,
+            "best_epoch": state.best_epoch + 1,
+            "best_score": state.best_score,
+            "epochs_trained": state.epoch,
+            "saved_epoch": best or state.epoch,
+        }
 
     def write() -> None:
         try:

@@ -28,7 +28,7 @@ from hvd_train.distributed import start
 from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import epoch_end, schedules
+from hvd_train.training import early_stop, epoch_end, schedules
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary
 from hvd_train.training.job import History, Job, Plan
@@ -89,7 +89,7 @@ class Loop:
         plan = self.configure()
         self.history.world_sizes.append(self.ctx.size)
         try:
-            while self.state.epoch < self.cfg.run.epochs:
+            while self.state.epoch < self.cfg.run.epochs and not early_stop.exhausted(self.cfg.run, self.state):
                 if self.state.epoch_done:
                     self._end_epoch(steps=0, seconds=0.0)
                 else:
@@ -158,6 +158,9 @@ class Loop:
                 for segment, first in data.segments:
                     steps, seconds = self._run_epoch_steps(segment, first, held[0])
                     self._end_epoch(steps, seconds)
+                    if early_stop.exhausted(cfg.run, state):
+                        self._stopped_early()
+                        break
         finally:
             release(held)  # training goes on at once (an elastic reset too), not after up to a minute
         if self.reader is not None:
@@ -219,6 +222,19 @@ class Loop:
                 steps = min(steps, limit)
         return max(accum, steps - steps % accum)
 
+    def _stopped_early(self) -> None:
+        run, state = self.cfg.run, self.state
+        if self.ctx.is_root:
+            log.info(
+                "early stop: no better %s in %d epochs; training ends after epoch %d of %d (best: epoch %d, %.4f)",
+                run.early_stop_metric,
+                run.early_stop,
+                state.epoch,
+                run.epochs,
+                state.best_epoch + 1,
+                state.best_score,
+            )
+
     def _waited(self) -> float:
         return self.reader.stats()["wait_seconds"] if self.reader else 0.0
 
@@ -243,6 +259,7 @@ class Loop:
         )
         if self.reporters and steps:
             self.reporters.progress.end(steps, logs)
+        early_stop.note(self.cfg.run, state, epoch, logs, self.ctx.is_root)
         state.next_epoch()
         net.reset_metrics()
         # The checkpoint first: a full disk must not cost the epoch because a CSV row did not fit.

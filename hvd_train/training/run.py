@@ -16,6 +16,7 @@ from hvd_train.distributed import elastic
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
+from hvd_train.training import early_stop
 from hvd_train.training.elastic import ElasticTraining
 from hvd_train.training.finish import Outcome, finish
 from hvd_train.training.job import History, Job
@@ -84,6 +85,14 @@ def fit(job: Job, ctx: Context, net: Net, state: TrainState, stop: StopRequests,
     if state.epoch >= job.cfg.run.epochs:
         log.info(
             "all %d epochs are done already (checkpoint in %s); evaluating", job.cfg.run.epochs, job.cfg.run.output
+        )
+        return
+    if early_stop.exhausted(job.cfg.run, state):
+        log.info(
+            "the run stopped early after epoch %d already (no better %s in %d epochs); evaluating",
+            state.epoch,
+            job.cfg.run.early_stop_metric,
+            job.cfg.run.early_stop,
         )
         return
     Loop(job, ctx, net, state, stop, history).run()

@@ -63,6 +63,12 @@ def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     """The checked training and held-out images, the same on every rank."""
     threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
+    if cfg.run.early_stop and val_set is None:
+        raise UserError(
+            f"--early-stop {cfg.run.early_stop} watches the held-out images, and --data {cfg.data.train} with "
+            f"--val-split {cfg.data.val_split} leaves none; give --val-data, or a larger --val-split.",
+            agreed=True,
+        )
     spec = get_spec(cfg.model.name)
     # Horovod: one precision for all ranks (rank 0 looks at its GPU for "auto").
     numerics = ctx.broadcast_object(
@@ -174,6 +180,9 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         cfg.optim.warmup_epochs,
         cfg.optim.lr_schedule,
     )
+    recipe = recipe_options(cfg)
+    if recipe and ctx.is_root:
+        log.info("recipe: %s", ", ".join(recipe))
 
     def restore():
         out = cfg.run.output
@@ -290,6 +299,22 @@ def _check_same_data(job: Job, found: checkpoints.Found) -> bool:
     return saved.get("train") != now["train"]
 
 
+def recipe_options(cfg: TrainConfig) -> list[str]:
+    """The recipe options of ``cfg`` that differ from plain training, as flags (``--ema 0.999``, ...)."""
+    o, d, r = cfg.optim, cfg.data, cfg.run
+    chosen = [
+        ("--optimizer", o.optimizer, o.optimizer != "sgd"),
+        ("--weight-decay", o.weight_decay, o.weight_decay),
+        ("--label-smoothing", o.label_smoothing, o.label_smoothing),
+        ("--class-weights", o.class_weights, o.class_weights != "none"),
+        ("--ema", o.ema, o.ema),
+        ("--mixup", d.mixup, d.mixup),
+        ("--cutmix", d.cutmix, d.cutmix),
+        ("--early-stop", f"{r.early_stop} on {r.early_stop_metric}", r.early_stop),
+    ]
+    return [f"{flag} {value}" for flag, value, used in chosen if used]
+
+
 def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
     """Refuses a resume whose ``--seed`` or ``--grad-accum`` differs from the checkpoint's (rank 0).
 
@@ -306,6 +331,11 @@ def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
             f"checkpoint {found.path} was made with other options ({'; '.join(differ)}): the resumed run would "
             f"deal its images and updates otherwise than the run it continues. Give {same} to resume, or "
             f"--no-resume to start over."
+        )
+    if cfg.optim.ema and not found.info.get("ema"):
+        raise UserError(
+            f"checkpoint {found.path} holds no moving average of the weights (its run had no --ema): resume "
+            f"without --ema {cfg.optim.ema}, or pass --no-resume to start over with it."
         )
 
 

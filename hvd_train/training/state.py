@@ -34,6 +34,9 @@ class TrainState:
             current segment began (``None``: the whole epoch).
         segment_steps: steps run in the current segment.
         accum: batches per optimizer update.
+        best_epoch: ``--early-stop``: the epoch (0-based) of the best
+            held-out score so far; -1 before the first.
+        best_score: that score.
     """
 
     seed: int
@@ -49,6 +52,8 @@ class TrainState:
     pending: Intervals | None = None
     segment_steps: int = 0
     accum: int = 1
+    best_epoch: int = -1
+    best_score: float | None = None
     _segment: Segment | None = field(default=None, compare=False, repr=False)
 
     def segment(self) -> Segment:
