@@ -43,6 +43,7 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--optimizer", "adam", "--head-lr-mult", "10"], "--head-lr-mult"),
         (["--freeze-backbone", "--trainable-layers", "3"], "--trainable-layers"),
         (["--ema", "1.0"], "--ema"),
+        (["--augment-magnitude", "11"], "--augment-magnitude"),
         (["--mixup", "-0.2"], "--mixup"),
         (["--cutmix", "nan"], "--cutmix"),
         (["--early-stop", "-1"], "--early-stop"),

@@ -98,6 +98,17 @@ def test_flip_augmentation_flips_some_images_and_none_flips_none(files):
     assert flipped["left"] > 0 and flipped["right"] > 0
 
 
+def test_the_pipeline_augments_alike_after_a_resume_and_otherwise_than_crop_flip(files):
+    whole = list(shard(files, 1, 2, epochs=2, augment="randaugment").dataset.as_numpy_iterator())
+    resumed = list(shard(files, 1, 2, epochs=2, augment="randaugment", first_step=2).dataset.as_numpy_iterator())
+    assert len(resumed) == len(whole) - 2
+    for (a, la, ia), (b, lb, ib) in zip(whole[2:], resumed):
+        assert np.array_equal(a, b) and np.array_equal(la, lb) and np.array_equal(ia, ib)
+    plain = list(shard(files, 1, 2, epochs=2, augment="crop,flip").dataset.as_numpy_iterator())
+    differ = sum(not np.allclose(a, p, atol=1e-3) for (a, *_), (p, *_) in zip(whole, plain))
+    assert differ >= len(whole) // 2
+
+
 def test_evaluation_counts_each_image_once(files):
     for size in (1, 2, 3, 5):
         seen = []

@@ -200,18 +200,21 @@ def test_class_weights_raise_the_minority_class_recall(recipe):
 def test_the_recipe_options_go_through_train_and_a_resume(tmp_path, demo_small):
     out = tmp_path / "run"
     options = ["--optimizer", "adamw", "--weight-decay", "0.05", "--label-smoothing", "0.1", "--class-weights", "auto"]
+    options += ["--augment", "randaugment", "--augment-magnitude", "5"]
     first = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY, *options])
     assert first.returncode == 0, output_of(first)
-    recorded = yaml.safe_load((out / "run_config.yaml").read_text())["optim"]
-    chosen = [recorded[k] for k in ("optimizer", "weight_decay", "label_smoothing", "class_weights")]
+    recorded = yaml.safe_load((out / "run_config.yaml").read_text())
+    chosen = [recorded["optim"][k] for k in ("optimizer", "weight_decay", "label_smoothing", "class_weights")]
     assert chosen == ["adamw", 0.05, 0.1, "auto"]
+    assert (recorded["data"]["augment"], recorded["data"]["augment_magnitude"]) == ("randaugment", 5.0)
     more = [*TINY[:-1], "2"]
     second = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *more, *options])
     assert second.returncode == 0, output_of(second)
     assert "resuming from" in second.stderr, output_of(second)
-    assert "recipe: --optimizer adamw, --weight-decay 0.05, --label-smoothing 0.1, --class-weights auto" in (
-        second.stderr
-    ), output_of(second)
+    recipe = (
+        "--optimizer adamw, --weight-decay 0.05, --label-smoothing 0.1, --class-weights auto, --augment randaugment"
+    )
+    assert f"recipe: {recipe}, magnitude 5" in second.stderr, output_of(second)
     # Its checkpoints hold no moving averages: a resume with --ema is refused, saying why.
     third = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY, *options, "--ema", "0.9"])
     assert third.returncode == 2 and "holds no moving average of the weights" in third.stderr, output_of(third)

@@ -17,7 +17,7 @@ import yaml
 
 from hvd_train.data.storage import S3Options, redact_url
 
-AUGMENTATIONS = ("crop,flip", "crop", "flip", "none")
+AUGMENTATIONS = ("crop,flip", "crop", "flip", "none", "randaugment")
 BN_MODES = ("auto", "inference", "train")
 HEAD_NORMS = ("auto", "layer", "none")
 LR_SCHEDULES = ("cosine", "step", "constant")
@@ -60,7 +60,11 @@ class DataConfig:
         val_split: fraction of each class held out when ``val`` is not given.
         image_size: side of the square model input; 0 uses the model's default.
         batch_size: images per worker per step.
-        augment: training augmentation: ``crop,flip``, ``crop``, ``flip``, ``none``.
+        augment: training augmentation: ``crop,flip``, ``crop``, ``flip``,
+            ``none``, or ``randaugment`` (the crop and flip, then two
+            RandAugment operations, see ``data.randaugment``).
+        augment_magnitude: RandAugment's magnitude, 0 to 10 (timm's
+            ``rand-m9`` is 9).
         crop_fraction: central fraction kept by the evaluation center crop.
         on_bad_image: ``skip`` unreadable images (and list them) or ``fail``.
         check_images: what is checked before the first step: ``quick`` (each
@@ -93,6 +97,9 @@ class DataConfig:
     image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
     batch_size: int = _opt(32, "--batch-size", "images per worker per step (the global batch is this x workers)")
     augment: str = _opt("crop,flip", "--augment", "training augmentation", choices=AUGMENTATIONS)
+    augment_magnitude: float = _opt(
+        9.0, "--augment-magnitude", "RandAugment's magnitude, 0 to 10 (--augment randaugment)"
+    )
     crop_fraction: float = _opt(0.875, "--crop-fraction", "central fraction kept by the evaluation crop")
     on_bad_image: str = _opt("skip", "--on-bad-image", "what to do with unreadable images", choices=BAD_IMAGE_POLICIES)
     check_images: str = _opt(

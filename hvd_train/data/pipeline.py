@@ -34,6 +34,7 @@ from hvd_train.data.blocks import BlockLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet, PathList
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window, plain
 from hvd_train.data.packed import ShardSet
+from hvd_train.data.randaugment import rand_augment
 from hvd_train.data.sharding import Segment, Strided, epoch_order
 from hvd_train.data.streams import StreamReader
 
@@ -71,6 +72,7 @@ def train_input(
     s3: storage.S3Options | None = None,
     fused_jpeg: bool = True,
     alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
+    magnitude: float = 9.0,
 ) -> TrainInput:
     """Rank ``rank``'s batches for ``segments`` (each from its first step on).
 
@@ -84,13 +86,14 @@ def train_input(
         s3: how to reach S3, for ``s3://`` images and shard sets.
         fused_jpeg: decode only the crop of a JPEG (False: decode whole, then crop).
         alpha_background: what transparent pixels are composited over (``images.decode``).
+        magnitude: RandAugment's magnitude (``augment`` ``randaugment``).
     """
     segments = tuple(segments)
     batches = {seg.batch for seg, _ in segments}
     if len(batches) > 1:
         raise ValueError(f"`segments` must share one batch size. Received: {sorted(batches)}")
     batch = batches.pop() if batches else 1
-    augmenter = _augmenter(augment, image_size, seed, fused_jpeg, alpha_background)
+    augmenter = _augmenter(augment, image_size, seed, fused_jpeg, alpha_background, magnitude)
     n = len(data)
     if isinstance(data, ShardSet):
         reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(data.url))
@@ -280,10 +283,16 @@ def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: 
     return reader.dataset(stream, spec).unbatch()
 
 
-def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True, background: str = "white"):
-    """``f(encoded image, key index)``: decode and augment, drawn from ``(seed, key index)``."""
-    flips = "flip" in augment
-    crops = "crop" in augment
+def _augmenter(
+    augment: str, image_size: int, seed: int, fused_jpeg: bool = True, background: str = "white", magnitude=9.0
+):
+    """``f(encoded image, key index)``: decode and augment, drawn from ``(seed, key index)``.
+
+    ``randaugment`` is the crop and flip, then RandAugment's two operations at ``magnitude``.
+    """
+    randaugment = augment == "randaugment"
+    flips = "flip" in augment or randaugment
+    crops = "crop" in augment or randaugment
 
     def apply(contents, key_index):
         key = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64), key_index)
@@ -292,6 +301,9 @@ def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg: bool = True
         image = _resize(decode_window(contents, window, fused_jpeg, image_size, background), image_size)
         if flips:
             image = tf.image.stateless_random_flip_left_right(image, flip_key)
+        if randaugment:
+            # A key of its own, beside the crop's and the flip's (which stay what they were).
+            image = rand_augment(image, tf.random.experimental.stateless_fold_in(key, 1), magnitude)
         return image
 
     return apply

@@ -145,6 +145,7 @@ class Loop:
             rank=self.ctx.rank,
             image_size=self.job.image_size,
             augment=cfg.data.augment,
+            magnitude=cfg.data.augment_magnitude,
             preprocess=self.job.spec.preprocess_input(),
             seed=cfg.run.seed,
             threads=start.cpu_threads(self.ctx, cfg.horovod.threads_per_rank),

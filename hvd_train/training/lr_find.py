@@ -152,6 +152,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
         rank=0,
         image_size=job.image_size,
         augment=cfg.data.augment,
+        magnitude=cfg.data.augment_magnitude,
         preprocess=job.spec.preprocess_input(),
         seed=cfg.run.seed,
         threads=threads,

@@ -308,6 +308,7 @@ def recipe_options(cfg: TrainConfig) -> list[str]:
         ("--label-smoothing", o.label_smoothing, o.label_smoothing),
         ("--class-weights", o.class_weights, o.class_weights != "none"),
         ("--ema", o.ema, o.ema),
+        ("--augment", f"randaugment, magnitude {d.augment_magnitude:g}", d.augment == "randaugment"),
         ("--mixup", d.mixup, d.mixup),
         ("--cutmix", d.cutmix, d.cutmix),
         ("--early-stop", f"{r.early_stop} on {r.early_stop_metric}", r.early_stop),
