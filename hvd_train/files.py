@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import threading
 
 
@@ -24,7 +25,8 @@ def replacing(path: str, mode: str = "w", sync: bool = False):
         sync: flush the file to disk before the rename.
     """
     folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    # The host too: processes of two machines writing one shared folder may have the same pid.
+    tmp = os.path.join(folder, f".{name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
     text = {} if "b" in mode else {"encoding": "utf-8", "newline": ""}
     try:
         with open(tmp, mode, **text) as f:

@@ -105,7 +105,9 @@ apt_packages=(openmpi-bin libopenmpi-dev cmake g++ make patch iproute2 curl)
 # The tests open report.html in a real headless browser.
 # strace: a checkpoint test reads the renames of a save as the kernel saw them.
 # slurm-wlm, munge: the SLURM tests run a real cluster (slurmctld, two slurmd) of their own.
-[[ ",$extras," == *",test,"* || ",$extras," == *",dev,"* ]] && apt_packages+=(chromium fonts-dejavu-core strace slurm-wlm munge)
+# postgresql: the sweep tests keep a study in a real PostgreSQL server of their own.
+[[ ",$extras," == *",test,"* || ",$extras," == *",dev,"* ]] &&
+  apt_packages+=(chromium fonts-dejavu-core strace slurm-wlm munge postgresql)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -22,7 +22,7 @@ BIN = Path(sys.executable).parent
 HVD_TRAIN = [sys.executable, "-m", "hvd_train"]
 
 # What this machine must be able to do: a test that needs one of these fails
-# instead of skipping (CI sets HVD_TRAIN_REQUIRE=docker,netns,root,slurm, so a
+# instead of skipping (CI sets HVD_TRAIN_REQUIRE=docker,netns,postgres,root,slurm, so a
 # suite that skipped them all cannot pass).
 REQUIRED = {c.strip() for c in os.environ.get("HVD_TRAIN_REQUIRE", "").split(",") if c.strip()}
 
@@ -245,6 +245,21 @@ def mlflow_server(tmp_path_factory):
 
     with MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()) as uri:
         yield uri
+
+
+# --- A real PostgreSQL server on 127.0.0.1 (postgres_server.py), from Debian's packages ------------
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """``postgresql://sweep:PASSWORD@127.0.0.1:PORT/sweeps``; each test names its own study."""
+    from postgres_server import PostgresServer, Unavailable
+
+    try:
+        with PostgresServer(free_port()) as url:
+            yield url
+    except Unavailable as e:
+        unavailable("postgres", str(e))
 
 
 # --- A real S3-compatible server on 127.0.0.1 (moto in server mode: real HTTP) ---

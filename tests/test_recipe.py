@@ -346,3 +346,24 @@ def test_mixup_is_a_function_of_the_progress_and_makes_the_model_less_sure(recip
     assert recipe["plain_other_progress_same_weights"]
     assert recipe["mixed_max_prob_none"] > 0.99
     assert recipe["mixed_max_prob_mixup"] < recipe["mixed_max_prob_none"] - 0.01
+
+
+def test_early_stop_wants_a_lower_loss_a_higher_accuracy_and_counts_epochs_since_the_best():
+    from hvd_train.config.choices import RunConfig
+    from hvd_train.training.early_stop import better, exhausted, note
+    from hvd_train.training.state import TrainState
+
+    assert better("val_loss", 0.5, 0.6) and not better("val_loss", 0.6, 0.5) and not better("val_loss", 0.5, 0.5)
+    assert better("val_accuracy", 0.6, 0.5) and not better("val_accuracy", 0.5, 0.6)
+    assert better("val_loss", 0.9, None) and not better("val_loss", float("nan"), None)
+    run = RunConfig(output="o", early_stop=2, early_stop_metric="val_loss")
+    state = TrainState(seed=0, world_size=1, batch_size=1, global_batch=1, total=1)
+    stops = []
+    for epoch, loss in enumerate([0.9, 0.7, 0.8, 0.6, 0.65, 0.61, 0.5]):
+        note(run, state, epoch, {"val_loss": loss}, is_root=False)
+        state.next_epoch()
+        stops.append(exhausted(run, state))
+    # Two epochs after epoch 4's 0.6 without a better loss: patience 2 is used up. A run that goes on
+    # anyway (a rerun with more patience) finds a better one and is not exhausted any more.
+    assert stops == [False, False, False, False, False, True, False]
+    assert (state.best_epoch, state.best_score) == (6, 0.5)

@@ -288,3 +288,58 @@ def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster
     assert summary["val_images"] == 25 and sum(map(sum, summary["val_confusion_matrix"])) == 25
     assert "elastic: training again on 1 worker(s)" in log, log
     assert "Traceback" not in log, log
+
+
+def test_a_sweep_as_a_job_array_shares_one_postgresql_study(cluster, demo_small, tmp_path, postgres_url):
+    """Two array tasks run trials of one study in PostgreSQL, together 3 and no more.
+
+    Three trials for two tasks: the task that finishes first finds them all taken while the other
+    runs its second, and waits for it (it could be lost, and its trial handed back).
+    """
+    import optuna
+    import yaml
+
+    from postgres_server import PASSWORD
+
+    study = "array"
+    out = tmp_path / "out"
+    spec = {
+        "train": {
+            "data": {"train": str(demo_small), "val_split": 0.2, "batch_size": 8, "image_size": 32},
+            "model": {"name": TINY[1], "weights": "none"},
+            "run": {"epochs": 1, "tensorboard": False},
+            "horovod": {"threads_per_rank": 1},
+        },
+        "search": {"optim.base_lr": {"log_uniform": [0.001, 0.1]}},
+        "first": [{"optim.base_lr": 0.01}],
+        "trials": 3,
+        "sampler": "random",
+        "pruner": "none",
+        "storage": postgres_url,  # in the file: a password on a command line shows in `ps` and Command=
+        "study": study,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    command = [
+        "sbatch", "--wait", "--parsable", "-D", tmp_path, "-o", tmp_path / "job-%a.log",
+        "--array=0-1", "--nodes", "1", "--ntasks", "1", SCRIPT, "--", "sweep", path, "--output", out,
+    ]  # fmt: skip
+    env = {"PATH": f"{BIN}:{os.environ['PATH']}", **cluster.env, "HVD_TRAIN": str(BIN / "hvd-train")}
+    proc = finish(start(command, **env), cluster, tmp_path, timeout=400)
+    logs = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("job-*.log")))
+    assert proc.returncode == 0, f"{output_of(proc)}\n{logs}"
+    # Each task ends when the study has its 3 trials (sbatch --wait does not say how each task ended).
+    assert logs.count("sweep done: 3 complete") == 2 and "Traceback" not in logs, logs
+    assert "waiting for those other sweep processes run" in logs, logs
+    trials = optuna.load_study(study_name=study, storage=postgres_url).get_trials()
+    kept = [t for t in trials if not t.user_attrs.get("surplus")]
+    assert [t.state.name for t in kept] == ["COMPLETE"] * 3, [(t.number, t.state.name, t.user_attrs) for t in trials]
+    # The first values once (one task set the study up), and each task drew values of its own.
+    rates = [t.params["optim.base_lr"] for t in kept]
+    assert rates.count(0.01) == 1 and len(set(rates)) == 3, rates
+    assert len({t.user_attrs["pid"] for t in kept}) == 2, "both tasks ran trials"
+    assert {p.name for p in out.glob("trial-*")} == {f"trial-{t.number:04d}" for t in kept}
+    # No password in any log or file the sweep wrote.
+    written = [p for p in [*tmp_path.glob("job-*.log"), *out.rglob("*")] if p.is_file() and p.suffix != ".keras"]
+    leaked = [str(p) for p in written if PASSWORD.encode() in p.read_bytes()]
+    assert not leaked, leaked

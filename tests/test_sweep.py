@@ -290,3 +290,46 @@ def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
     assert summary["counts"]["complete"] == 1
     log = (tmp_path / "out" / "trial-0000" / "trial.log").read_text()
     assert re.match(r"\$ taskset -c [0-9,]+ mpirun -np 1 --bind-to none ", log) and "outputs in" in log, log[:3000]
+
+
+# --- sweep processes sharing one study --------------------------------------------------------
+
+
+def test_a_trial_asked_past_the_count_is_surplus_and_a_retry_never_is():
+    from hvd_train.experiments import study as studies
+
+    study = optuna.create_study()
+    asked = [study.ask() for _ in range(3)]  # two processes checked the count (2) and asked at once
+    for trial in asked[:2]:
+        study.tell(trial, 0.5)
+    assert not studies.surplus(study, asked[1], 2)
+    assert studies.surplus(study, asked[2], 2)
+    assert study.trials[2].state.name == "FAIL" and study.trials[2].user_attrs["surplus"] is True
+    assert [t.number for t in studies.kept(study)] == [0, 1] and studies.counted(study) == 2
+    study.enqueue_trial({}, user_attrs={"retry_of": 1})
+    retry = study.ask()
+    assert not studies.surplus(study, retry, 2)
+
+
+def test_a_trial_of_another_host_is_stale_after_missed_beats_counted_from_its_start():
+    from hvd_train.experiments.study import STALE_BEATS, is_stale
+
+    other = {"host": "elsewhere", "pid": 1}
+    window = STALE_BEATS * 10
+    # Just asked for, no heartbeat yet: not stale until the window has passed since its start.
+    assert not is_stale(other, 10, now=1000.0, started=1000.0 - window + 1)
+    assert is_stale(other, 10, now=1000.0, started=1000.0 - window - 1)
+    assert not is_stale({**other, "alive": 990.0}, 10, now=1000.0, started=0.0)
+    assert is_stale({**other, "alive": 1000.0 - window - 1}, 10, now=1000.0)
+
+
+def test_a_wrong_password_is_a_clear_error_that_shows_no_password(tmp_path, postgres_url):
+    from postgres_server import PASSWORD
+
+    wrong = postgres_url.replace(PASSWORD, "not-" + PASSWORD)
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]}, storage=wrong)
+    proc = cli(["sweep", path, "--output", tmp_path / "out"])
+    assert proc.returncode == 2 and "cannot open the study 'out' in postgresql://127.0.0.1:" in proc.stderr, output_of(
+        proc
+    )
+    assert "password authentication failed" in proc.stderr and PASSWORD not in proc.stdout + proc.stderr

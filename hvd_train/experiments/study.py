@@ -16,7 +16,9 @@ towards the sweep's trials; its retry does.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
 import socket
 import time
 from typing import Any
@@ -48,49 +50,107 @@ def storage_url(sweep: Sweep, folder: str) -> str:
 
 
 def open_study(sweep: Sweep, folder: str):
-    """The sweep's study, created at its first start (with ``first`` enqueued) and loaded after."""
+    """The sweep's study, created at its first start (with ``first`` enqueued) and loaded after.
+
+    Sweep processes that start together on one shared study (a job array)
+    race to create it: one does and enqueues ``first``, the others load it
+    and wait until it is set up. Each process samples with a seed of its
+    own after the creator's (``seed``): the same seed in two processes would
+    draw the same values for their trials (but for the grid, whose order of
+    points the seed sets).
+    """
     op = optuna()
     name = sweep.study or os.path.basename(os.path.abspath(folder))
     url = storage_url(sweep, folder)
+    shown = redact_url(url)
     try:
-        study = op.create_study(
-            study_name=name,
-            storage=url,
-            sampler=_sampler(op, sweep),
-            pruner=_pruner(op, sweep),
-            direction=sweep.direction,
-            load_if_exists=True,
-        )
+        storage = _storage(op, url)
+        try:
+            study = op.create_study(
+                study_name=name, storage=storage, pruner=_pruner(op, sweep), direction=sweep.direction
+            )
+            created = True
+        except op.exceptions.DuplicatedStudyError:
+            study = op.load_study(study_name=name, storage=storage, pruner=_pruner(op, sweep))
+            created = False
+    except ImportError as e:
+        raise UserError(
+            f"the study's storage {shown} needs a database driver ({e}): pip install 'hvd_train[sweep]'."
+        ) from None
     except Exception as e:  # SQLAlchemy's errors: a server that is not there, a wrong password
-        shown = redact_url(url)
         raise UserError(f"cannot open the study {name!r} in {shown} ({first_line(e)}); check `storage`.") from None
     if study.direction.name.lower() != sweep.direction:
         raise UserError(
-            f"the study {name!r} in {redact_url(url)} {study.direction.name.lower()}s; this sweep "
+            f"the study {name!r} in {shown} {study.direction.name.lower()}s; this sweep "
             f"{sweep.direction}s: name another `study` or choose another --output."
         )
-    known = study.user_attrs.get("objective")
-    if known is None:
-        study.set_user_attr("objective", sweep.objective)
+    if created:
         for params in sweep.first:
             study.enqueue_trial(dict(params))
-    elif known != sweep.objective:
+        study.set_user_attr("objective", sweep.objective)  # last: the study is set up
+    known = _wait_for_objective(study, name, shown)
+    if known != sweep.objective:
         raise UserError(
             f"the study {name!r} optimizes {known}, not {sweep.objective}: name another `study` or --output."
         )
+    # The grid sampler numbers the grid's points in an order shuffled by its seed: every process
+    # must have the same order. Its choice among the points no trial has taken stays random.
+    seed = sweep.seed if created or sweep.sampler == "grid" else _own_seed(sweep.seed)
+    study.sampler = _sampler(op, sweep, seed)
     return study
 
 
-def _sampler(op, sweep: Sweep):
+def _storage(op, url: str, attempts: int = 5):
+    """Optuna's storage at ``url``. Sweep processes that start together on a new database race to
+    create its tables, and all but one may be refused (a unique violation): they try again."""
+    for attempt in range(attempts):
+        try:
+            return op.storages.RDBStorage(url, engine_kwargs=_engine_options(url))
+        except ImportError:
+            raise
+        except Exception as e:  # SQLAlchemy's IntegrityError, ProgrammingError of a concurrent CREATE TABLE
+            if attempt == attempts - 1 or not any(word in str(e) for word in ("already exists", "duplicate key")):
+                raise
+            time.sleep(0.2 + random.random())
+    raise AssertionError("unreachable")
+
+
+def _engine_options(url: str) -> dict:
+    """SQLAlchemy's pool checks a server connection before use (a server restarted, a connection dropped)."""
+    return {} if url.startswith("sqlite") else {"pool_pre_ping": True}
+
+
+def _wait_for_objective(study, name: str, shown: str, timeout: float = 60.0) -> str:
+    """The study's objective, once the process that created it has set it up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        known = study.user_attrs.get("objective")
+        if known is not None:
+            return known
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"the study {name!r} in {shown} has no objective after {timeout:.0f} s: the sweep that made it "
+                f"did not finish setting it up; delete the study (optuna delete-study) or name another `study`."
+            )
+        time.sleep(0.5)
+
+
+def _own_seed(seed: int) -> int:
+    """A seed for this process, from the sweep's, this host and this process."""
+    digest = hashlib.sha256(f"{seed}:{HOST}:{os.getpid()}:{process_start(os.getpid())}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _sampler(op, sweep: Sweep, seed: int):
     if sweep.sampler == "grid":
-        return op.samplers.GridSampler(sweep.grid(), seed=sweep.seed)
+        return op.samplers.GridSampler(sweep.grid(), seed=seed)
     if sweep.sampler == "random":
-        return op.samplers.RandomSampler(seed=sweep.seed)
+        return op.samplers.RandomSampler(seed=seed)
     # Random for the first few trials (a third of them, 2 to 10), then Tree-structured Parzen
     # Estimators; a running trial counts as its worst outcome (``constant_liar``), so that
     # trials run at once do not all sample the same corner.
     startup = max(2, min(10, sweep.trials // 3))
-    return op.samplers.TPESampler(seed=sweep.seed, n_startup_trials=startup, constant_liar=True)
+    return op.samplers.TPESampler(seed=seed, n_startup_trials=startup, constant_liar=True)
 
 
 def _pruner(op, sweep: Sweep):
@@ -117,11 +177,41 @@ def suggest(trial, sweep: Sweep) -> dict[str, Any]:
 
 
 def kept(study) -> list:
-    """The study's trials but those handed back (see the module docstring): the sweep's trials."""
+    """The study's trials but those handed back and the surplus ones (see ``surplus``): the sweep's trials."""
     op = optuna()
     trials = study.get_trials(deepcopy=False)
     handed_back = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
-    return [t for t in trials if not (t.state == op.trial.TrialState.FAIL and t.number in handed_back)]
+    return [
+        t
+        for t in trials
+        if not (t.state == op.trial.TrialState.FAIL and (t.number in handed_back or t.user_attrs.get("surplus")))
+    ]
+
+
+def surplus(study, trial, trials: int) -> bool:
+    """Whether ``trial``, just asked for, is one too many: sweep processes sharing the study each
+    checked the count and asked at once. A retry of a trial handed back is never one; otherwise the
+    ``trials`` kept trials numbered before it are the sweep's. A surplus trial is failed at once,
+    marked ``surplus``, and does not count."""
+    if "retry_of" in trial.user_attrs:
+        return False
+    before = [t for t in kept(study) if t.number < trial.number]
+    if len(before) < trials:
+        return False
+    op = optuna()
+    trial.set_user_attr("surplus", True)
+    tell(study, trial, state=op.trial.TrialState.FAIL)
+    return True
+
+
+def running_elsewhere(study) -> int:
+    """Running trials of other sweep processes (another host, or another process here)."""
+    op = optuna()
+    return sum(
+        1
+        for t in study.get_trials(deepcopy=False, states=(op.trial.TrialState.RUNNING,))
+        if (t.user_attrs.get("host"), t.user_attrs.get("pid")) != (HOST, os.getpid())
+    )
 
 
 def counted(study) -> int:
@@ -155,11 +245,17 @@ def process_start(pid: int) -> str:
         return ""
 
 
-def is_stale(attrs: dict, heartbeat: float, now: float | None = None) -> bool:
-    """Whether a running trial's sweep process is gone (see the module docstring)."""
+def is_stale(attrs: dict, heartbeat: float, now: float | None = None, started: float = 0.0) -> bool:
+    """Whether a running trial's sweep process is gone (see the module docstring).
+
+    Args:
+        started: when the trial started (seconds since the epoch): a trial
+            just asked for has no heartbeat yet, and counts from there.
+    """
     if attrs.get("host") == HOST and attrs.get("pid") is not None:
         return process_start(int(attrs["pid"])) != attrs.get("pid_start")
-    return (now or time.time()) - float(attrs.get("alive", 0)) > STALE_BEATS * heartbeat
+    last = float(attrs.get("alive", started))
+    return (now or time.time()) - last > STALE_BEATS * heartbeat
 
 
 def tell(study, trial, value=None, **state) -> None:
@@ -200,7 +296,8 @@ def hand_back(study, frozen, why: str) -> bool:
 def hand_back_stale(study, heartbeat: float) -> None:
     op = optuna()
     for frozen in study.get_trials(deepcopy=False, states=(op.trial.TrialState.RUNNING,)):
-        if is_stale(frozen.user_attrs, heartbeat):
+        started = frozen.datetime_start.timestamp() if frozen.datetime_start else time.time()
+        if is_stale(frozen.user_attrs, heartbeat, started=started):
             hand_back(study, frozen, "lost its sweep process")
 
 

@@ -3,10 +3,12 @@
 Each slot (``trial.slots``) is a thread that asks the study for a trial,
 runs its job and tells the study how it ended, until the sweep's number of
 trials is reached. Asking is done under one lock, after handing back the
-trials whose sweep process is gone (``study.hand_back_stale``), so one
-sweep process never runs more trials than asked for; sweep processes on
-several machines that share one study may each start one more in the same
-instant, at most.
+trials whose sweep process is gone (``study.hand_back_stale``). Sweep
+processes that share one study (on many machines, or a SLURM job array)
+may ask in the same instant: a trial numbered after the sweep's count of
+kept ones is failed at once as surplus (``study.surplus``), so the count
+holds. A process whose trials are all taken waits while others run theirs,
+and takes up any that is handed back.
 
 A stop signal (SIGTERM, SIGINT, SIGUSR1) stops every running job as a
 scheduler would (each writes its checkpoint), hands its trial back, writes
@@ -112,14 +114,30 @@ class SweepRun:
             self.stopping.set()
 
     def _next_trial(self):
+        """The next trial to run, or None when the sweep has all its trials.
+
+        While other sweep processes still run trials of the study, this one
+        waits: one of them may stop or be lost, and its trial be handed back
+        to whoever asks next.
+        """
         study, sweep = self.study, self.sweep
-        with self.lock:
-            studies.hand_back_stale(study, sweep.heartbeat)
-            if studies.waiting(study) == 0 and studies.counted(study) >= sweep.trials:
-                return None
-            trial = study.ask()
-            studies.claim(trial)
-            return trial
+        said = False
+        while not self.stopping.is_set():
+            with self.lock:
+                studies.hand_back_stale(study, sweep.heartbeat)
+                if studies.waiting(study) or studies.counted(study) < sweep.trials:
+                    trial = study.ask()
+                    studies.claim(trial)
+                    if not studies.surplus(study, trial, sweep.trials):
+                        return trial
+                    continue
+                if not studies.running_elsewhere(study):
+                    return None
+            if not said:
+                log.info("the sweep's trials are all taken; waiting for those other sweep processes run")
+                said = True
+            self.stopping.wait(sweep.heartbeat)
+        return None
 
     def _run(self, trial, slot: Slot) -> None:
         sweep = self.sweep
@@ -143,35 +161,48 @@ class SweepRun:
 
     def _tell(self, trial, outcome: Outcome, shown: str) -> None:
         op = studies.optuna()
-        sweep = self.sweep
         with self.lock:
-            trial.set_user_attr("epochs", outcome.epoch)
-            trial.set_user_attr("seconds", round(outcome.seconds, 1))
-            if outcome.note:
-                trial.set_user_attr("note", outcome.note)
-            if outcome.state == "stopped":
-                studies.hand_back(self.study, trial, outcome.note or "stopped")
-                return
-            if outcome.state == "complete":
-                studies.tell(self.study, trial, outcome.value)
-                report_page.write_or_warn(os.path.join(self.folder, trial.user_attrs["folder"]))
-                best = self.study.best_trial
-                log.info(
-                    "trial %d: %s %.4f in %.0f s; best so far: trial %d, %.4f",
-                    trial.number,
-                    sweep.objective,
-                    outcome.value,
-                    outcome.seconds,
-                    best.number,
-                    best.value,
-                )
-            elif outcome.state == "pruned":
-                studies.tell(self.study, trial, state=op.trial.TrialState.PRUNED)
-                log.info("trial %d %s (%s)", trial.number, outcome.note, shown)
-            else:
-                studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
-                log.warning("trial %d failed: %s", trial.number, outcome.note)
-            pages.write(sweep, self.study, self.folder)
+            try:
+                self._told(trial, outcome, shown)
+            except op.exceptions.UpdateFinishedTrialError:
+                # Another sweep process took this one for lost (its heartbeats late) and handed it
+                # back: its retry goes on from the checkpoint, and has the say.
+                log.warning("trial %d was handed back by another sweep meanwhile; its retry counts", trial.number)
+
+    def _told(self, trial, outcome: Outcome, shown: str) -> None:
+        """Records how ``trial`` ended (under the lock)."""
+        op = studies.optuna()
+        sweep = self.sweep
+        if outcome.state == "lost":
+            log.warning("trial %d was handed back by another sweep meanwhile; its retry counts", trial.number)
+            return
+        trial.set_user_attr("epochs", outcome.epoch)
+        trial.set_user_attr("seconds", round(outcome.seconds, 1))
+        if outcome.note:
+            trial.set_user_attr("note", outcome.note)
+        if outcome.state == "stopped":
+            studies.hand_back(self.study, trial, outcome.note or "stopped")
+            return
+        if outcome.state == "complete":
+            studies.tell(self.study, trial, outcome.value)
+            report_page.write_or_warn(os.path.join(self.folder, trial.user_attrs["folder"]))
+            best = self.study.best_trial
+            log.info(
+                "trial %d: %s %.4f in %.0f s; best so far: trial %d, %.4f",
+                trial.number,
+                sweep.objective,
+                outcome.value,
+                outcome.seconds,
+                best.number,
+                best.value,
+            )
+        elif outcome.state == "pruned":
+            studies.tell(self.study, trial, state=op.trial.TrialState.PRUNED)
+            log.info("trial %d %s (%s)", trial.number, outcome.note, shown)
+        else:
+            studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
+            log.warning("trial %d failed: %s", trial.number, outcome.note)
+        pages.write(sweep, self.study, self.folder)
 
 
 def _short(value) -> str:

@@ -95,7 +95,8 @@ def _gpus() -> list[str]:
 
 @dataclass
 class Outcome:
-    """How a trial's job ended: ``state`` complete, pruned, failed or stopped (handed back)."""
+    """How a trial's job ended: ``state`` complete, pruned, failed, stopped (handed back), or lost
+    (handed back by another sweep process, which took this one's for gone)."""
 
     state: str
     value: float | None = None
@@ -118,7 +119,7 @@ class TrialJob:
 
     def run(self, trial) -> Outcome:
         os.makedirs(self.folder, exist_ok=True)
-        lock = self._lock()
+        lock = self._lock(trial)
         if lock is None:  # the sweep stopped while the earlier job of this folder ended
             return Outcome("stopped", note="stopped before it started")
         started = time.monotonic()
@@ -167,10 +168,14 @@ class TrialJob:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.slot.gpus)
         return env
 
-    def _lock(self) -> int | None:
-        """The trial folder's lock, once its earlier job (if any) has ended; None if the sweep stops first."""
+    def _lock(self, trial) -> int | None:
+        """The trial folder's lock, once its earlier job (if any) has ended; None if the sweep stops first.
+
+        The trial's heartbeats go on while it waits.
+        """
         fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + LOCK_WAIT
+        deadline = beat = time.monotonic()
+        deadline += LOCK_WAIT
         said = False
         while True:
             try:
@@ -191,28 +196,41 @@ class TrialJob:
                     log.info("%s: waiting for the earlier job of this trial to end", self.folder)
                     said = True
                 time.sleep(1.0)
+                if time.monotonic() - beat >= self.sweep.heartbeat:
+                    studies.beat(trial)
+                    beat = time.monotonic()
 
     def _watch(self, proc: subprocess.Popen, trial) -> Outcome:
         beat = time.monotonic()
         pruned = None
         stopped = False
+        lost = False
+        finished = studies.optuna().exceptions.UpdateFinishedTrialError
         while proc.poll() is None:
             time.sleep(POLL)
-            if time.monotonic() - beat >= self.sweep.heartbeat:
-                studies.beat(trial)
-                beat = time.monotonic()
-            if pruned is None and not stopped:
-                pruned = self._report(trial)
-                if pruned is not None or self.stopping.is_set():
-                    stopped = True
-                    proc.send_signal(self.stop_signal())
-                    stop_at = time.monotonic()
+            try:
+                if time.monotonic() - beat >= self.sweep.heartbeat:
+                    studies.beat(trial)
+                    beat = time.monotonic()
+                if pruned is None and not stopped:
+                    pruned = self._report(trial)
+            except finished:  # another sweep process handed it back: its retry goes on from the checkpoint
+                lost = True
+            if not stopped and (lost or pruned is not None or self.stopping.is_set()):
+                stopped = True
+                proc.send_signal(self.stop_signal())
+                stop_at = time.monotonic()
             if stopped and proc.poll() is None and time.monotonic() - stop_at > STOP_GRACE:
                 os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: its ranks too
         code = proc.returncode
-        if pruned is None and code == 0:
-            self._report(trial)  # the last epochs, written before the job ended
         last = max((epoch for epoch, _ in self._epochs()), default=0)  # the epochs the job ran
+        if lost:
+            return Outcome("lost", None, last, "handed back by another sweep process")
+        if pruned is None and code == 0:
+            try:
+                self._report(trial)  # the last epochs, written before the job ended
+            except finished:
+                return Outcome("lost", None, last, "handed back by another sweep process")
         if pruned is not None:
             value = self.reported[pruned]
             note = f"pruned at epoch {pruned}: {self.sweep.objective} {value:.4f}; stopped after epoch {last}"

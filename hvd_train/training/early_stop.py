@@ -42,6 +42,8 @@ def note(run: RunConfig, state: TrainState, epoch: int, logs: dict, is_root: boo
     score = logs.get(run.early_stop_metric)
     if better(run.early_stop_metric, score, state.best_score):
         state.best_epoch, state.best_score = epoch, float(score)
+    elif is_root and state.best_score is None:
+        log.warning("early stop: %s of epoch %d is %s, not a score to keep", run.early_stop_metric, epoch + 1, score)
     elif is_root:
         log.info(
             "early stop: %s %.4f, no better than %.4f of epoch %d (%d of %d epochs without a better one)",
