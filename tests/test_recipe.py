@@ -99,30 +99,46 @@ for weights in ("none", "auto"):
     net = train(net_of(features=2, classes=2, counts=[450, 50], class_weights=weights), xu, yu, 300, batch=25)
     out[f"minority_recall_{weights}"] = float(np.mean(np.argmax(net.model(test_minor, training=False), 1) == 1))
 
-# EMA: after each update, average = decay x average + (1 - decay) x the new weights.
+# EMA: after each update, average = decay x average + (1 - decay) x the new weights; the BatchNorm
+# statistics' averages the same after each step; the decay warms up to --ema.
+def statistics_of(net):
+    return [v.numpy().copy() for v in net.batchnorm_statistics()]
+
+
 for name, precision, horovod in (("fp32", "fp32", {}), ("mixed", "mixed_float16", {}),
                                  ("accum", "fp32", {"grad_accum": 2})):
     net = train(net_of(precision=precision, horovod=horovod, ema=0.9), xs, ys, 20)
     pairs = net.averages()
-    averages, raw = [a.numpy().copy() for _, a in pairs], weights_of(net)
+    trainable = len(net.model.trainable_variables)
+    averages, raw = [a.numpy().copy() for _, a in pairs], weights_of(net) + statistics_of(net)
+    # The decay warms up: min(0.9, (1 + n) / (10 + n)) after n updates (0.7 after 20).
+    decay = min(0.9, (1 + int(net.optimizer.iterations.numpy())) / (10 + int(net.optimizer.iterations.numpy())))
     # One batch more: a whole update, or half of one under --grad-accum 2 (no update, no new average).
     train(net, xs, ys, 1, per_call=1, seen=320)
-    moved_by_half = float(max(np.max(np.abs(a.numpy() - b)) for (_, a), b in zip(pairs, averages)))
+    moved = [float(np.max(np.abs(a.numpy() - b))) for (_, a), b in zip(pairs, averages)]
+    half = {"weights": max(moved[:trainable]), "statistics": max(moved[trainable:])}
+    after_half = [a.numpy().copy() for _, a in pairs]
+    statistics_expected = [decay * a + (1 - decay) * w for a, w in zip(averages[trainable:], statistics_of(net))]
     if horovod:
+        n = int(net.optimizer.iterations.numpy())
+        decay = min(0.9, (1 + n) / (10 + n))
         train(net, xs, ys, 1, per_call=1, seen=336)
-    expected = [0.9 * a + 0.1 * w for a, w in zip(averages, weights_of(net))]
+    expected = [decay * a + (1 - decay) * w for a, w in zip(averages, weights_of(net))]
     out[f"ema_{name}"] = {
-        "variables": len(pairs), "trainable": len(net.model.trainable_variables), "moved_by_half": moved_by_half,
+        "trainable": trainable, "statistics": len(pairs) - trainable, "moved_by_half": half,
         "off_formula": float(max(np.max(np.abs(a.numpy() - e)) for (_, a), e in zip(pairs, expected))),
+        "statistics_off_formula": float(max(np.max(np.abs(a - e)) for a, e in
+                                            zip(after_half[trainable:], statistics_expected))),
         "moved": float(max(np.max(np.abs(a.numpy() - b)) for (_, a), b in zip(pairs, averages))),
         "apart_from_weights": float(max(np.max(np.abs(a - w)) for a, w in zip(averages, raw))),
+        "decay": decay,
     }
-    inside_before = weights_of(net)
+    inside_before = weights_of(net) + statistics_of(net)
     with net.averaged():
-        inside = weights_of(net)
+        inside = weights_of(net) + statistics_of(net)
     out[f"ema_{name}"]["swap"] = [
-        all(np.array_equal(i, a.numpy()) for i, (_, a) in zip(inside, pairs)),
-        all(np.array_equal(i, b) for i, b in zip(weights_of(net), inside_before)),
+        len(inside) == len(pairs) and all(np.array_equal(i, a.numpy()) for i, (_, a) in zip(inside, pairs)),
+        all(np.array_equal(i, b) for i, b in zip(weights_of(net) + statistics_of(net), inside_before)),
     ]
 
 # Mixup and CutMix on a batch of constant images 10, 20, 30, 40; the last a stand-in (no weight) of class 1.
@@ -282,13 +298,15 @@ def test_adamw_without_weight_decay_is_refused(tmp_path, demo_small):
 
 
 @pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])
-def test_ema_averages_every_trainable_variable_after_each_update(recipe, case):
+def test_ema_averages_the_weights_after_each_update_and_the_statistics_after_each_step(recipe, case):
     ema = recipe[f"ema_{case}"]
-    assert ema["variables"] == ema["trainable"] == 6
+    assert (ema["trainable"], ema["statistics"]) == (6, 2), ema  # the BatchNorm's mean and variance
     assert ema["off_formula"] < 1e-6 and ema["moved"] > 1e-3, ema
-    if case == "accum":  # half an update (one of two accumulated passes) leaves the averages
-        assert ema["moved_by_half"] == 0.0, ema
+    # Half an update (one of two accumulated passes) leaves the weights' averages; a step moves the statistics.
+    assert (ema["moved_by_half"]["weights"] == 0.0) == (case == "accum"), ema
+    assert ema["moved_by_half"]["statistics"] > 0 and ema["statistics_off_formula"] < 1e-6, ema
     assert ema["apart_from_weights"] > 1e-2, ema
+    assert ema["decay"] < 0.75  # still warming up after about 20 updates
 
 
 @pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])

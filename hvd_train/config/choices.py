@@ -203,8 +203,10 @@ class OptimConfig:
             same in the loss (for unbalanced folders); ``none``.
         ema: decay of an exponential moving average of the trainable
             weights, updated after every optimizer update (Keras's
-            ``use_ema``); held-out scores and the saved model use the
-            averaged weights, checkpoints keep both. 0: off.
+            ``use_ema``), and of the BatchNorm moving statistics, after
+            every step; the decay warms up as ``min(ema, (1 + n) / (10 +
+            n))`` after n updates. Held-out scores and the saved model use
+            the averages, checkpoints keep both. 0: off.
     """
 
     optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)

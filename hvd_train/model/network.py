@@ -161,6 +161,24 @@ class Net:
             counts = np.asarray(class_counts, np.float64)
             weights = np.where(counts > 0, counts.sum() / (len(counts) * np.maximum(counts, 1)), 0.0)
             self._class_weights = tf.constant(weights, tf.float32)
+        # --ema: Keras averages the trainable variables after each update; the BatchNorm moving
+        # statistics are averaged here, after each step (they change with every forward pass), as
+        # timm's and TF Model Garden's averages do: averaged weights with the statistics of the
+        # raw ones would normalise by the wrong numbers.
+        self._ema = cfg.optim.ema
+        self._statistic_averages = (
+            [tf.Variable(v, trainable=False, name=f"average_{i}") for i, v in enumerate(self.batchnorm_statistics())]
+            if self._ema
+            else []
+        )
+        # The decay of each step, min(ema, (1 + n) / (10 + n)) after n updates (TensorFlow's
+        # ExponentialMovingAverage with num_updates, timm's warm-up): an early average forgets the
+        # random or pretrained start quickly, a late one is the --ema asked for. Keras's optimizer
+        # reads it from its ``ema_momentum``, made this variable.
+        self._ema_decay = tf.Variable(0.0, trainable=False, name="ema_decay")
+        if self._ema:
+            inner = self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
+            inner.ema_momentum = self._ema_decay
         # Optimizer state and metric sums must exist before they can be restored and broadcast.
         self.optimizer.build(self.model.trainable_variables)
         self._build_metrics()
@@ -194,13 +212,15 @@ class Net:
         return list(self.model.variables) + list(self.optimizer.variables) + loss_scale_variables(self.optimizer)
 
     def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
-        """``(trainable variable, its moving average)`` pairs under ``--ema``; empty without."""
+        """``(variable, its moving average)`` pairs under ``--ema``: the trainable variables, then the
+        BatchNorm moving statistics. Empty without ``--ema``."""
         inner = self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
         if not getattr(inner, "use_ema", False):
             return []
         # Keras made one average per variable, in the order ``build`` was given them.
         averages = inner._model_variables_moving_average
-        return list(zip(self.model.trainable_variables, averages, strict=True))
+        pairs = list(zip(self.model.trainable_variables, averages, strict=True))
+        return pairs + list(zip(self.batchnorm_statistics(), self._statistic_averages, strict=True))
 
     @contextlib.contextmanager
     def averaged(self):
@@ -263,6 +283,9 @@ class Net:
             done = tf.cast(i, tf.float64) + first
             images = seen + tf.minimum(done * per_step, pending) - tf.minimum(first * per_step, pending)
             rate.assign(tf.cast(graph_rate(self._decay, rates, images / tf.maximum(total, 1.0)), rate.dtype))
+            if self._ema:
+                updates = tf.cast(self.optimizer.iterations, tf.float32)
+                self._ema_decay.assign(tf.minimum(self._ema, (1.0 + updates) / (10.0 + updates)))
             self._train_step(iterator, tf.cast(images, tf.int64))
             return (i + 1,)
 
@@ -311,6 +334,8 @@ class Net:
             # From (seed, rank, images seen): the same mixing after a resume, another on each rank.
             images, targets, weights, labels = self._mixer.mix(images, labels, weights, tf.stack([key, seen]))
         self.model.train_step((images, labels, weights), targets)
+        for average, statistic in zip(self._statistic_averages, self.batchnorm_statistics()):
+            average.assign(self._ema_decay * average + (1.0 - self._ema_decay) * statistic)
 
     def _write_audit(self, ids) -> bool:
         self.audit(ids.numpy())
@@ -327,8 +352,13 @@ class Net:
     # --- values that differ between ranks --------------------------------------
 
     def local_variables(self) -> list[tf.Variable]:
-        """BatchNorm moving statistics and the epoch's metric sums: each rank has its own."""
-        return self.batchnorm_statistics() + self.metric_variables()
+        """BatchNorm moving statistics, the epoch's metric sums and (``--ema``) the statistics'
+        averages: each rank has its own."""
+        return self.batchnorm_statistics() + self.metric_variables() + self._statistic_averages
+
+    def statistics(self) -> list[tf.Variable]:
+        """The BatchNorm moving statistics and their averages: what the ranks average at an epoch's end."""
+        return self.batchnorm_statistics() + self._statistic_averages
 
     def metric_variables(self) -> list[tf.Variable]:
         """The running sums of the epoch's loss and accuracy."""

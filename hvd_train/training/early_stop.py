@@ -71,7 +71,7 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
     if not run.early_stop or state.best_epoch < 0 or state.best_epoch == state.epoch - 1:
         return None
 
-    def load() -> int | None:
+    def load() -> tuple[int, object] | None:
         found = checkpoints.of_epoch_end(run.output, state.best_epoch + 1)
         if found is None:
             log.warning(
@@ -81,7 +81,7 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
                 checkpoints.folder(run.output),
             )
             return None
-        checkpoints.restore(found, net.model, net.optimizer)
+        local = checkpoints.restore(found, net.model, net.optimizer)["rows"]
         log.info(
             "early stop: the model of epoch %d (%s %.4f) is the one saved, from %s",
             state.best_epoch + 1,
@@ -89,10 +89,14 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
             state.best_score,
             found.path,
         )
-        return state.best_epoch + 1
+        # The values of each rank, equal at an epoch's end (the statistics and their averages
+        # are averaged over the ranks then): the first rank's row.
+        return state.best_epoch + 1, local[0]
 
     loaded = ctx.on_root(load, name="best_epoch")
-    if loaded is not None:
-        # Horovod: every rank takes rank 0's weights of the best epoch.
-        gradients.broadcast_variables(net.variables, ctx)
-    return loaded
+    if loaded is None:
+        return None
+    # Horovod: every rank takes rank 0's weights of the best epoch, and its statistics.
+    gradients.broadcast_variables(net.variables, ctx)
+    net.write_local(loaded[1])
+    return loaded[0]

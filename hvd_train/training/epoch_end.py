@@ -87,7 +87,7 @@ def close_epoch(
     if waited is not None:
         _report_input_wait(ctx, epoch, waited, logs)
     # Horovod: BatchNorm statistics agree on all ranks before evaluation and saving.
-    gradients.average_variables(net.batchnorm_statistics(), ctx, name=f"model_statistics.{epoch}")
+    gradients.average_variables(net.statistics(), ctx, name=f"model_statistics.{epoch}")
     if job.val is not None:
         with net.averaged():  # --ema: the averaged weights are the ones scored (and saved)
             result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}", held_out)
