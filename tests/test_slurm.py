@@ -330,7 +330,7 @@ def test_a_sweep_as_a_job_array_shares_one_postgresql_study(cluster, demo_small,
     assert proc.returncode == 0, f"{output_of(proc)}\n{logs}"
     # Each task ends when the study has its 3 trials (sbatch --wait does not say how each task ended).
     assert logs.count("sweep done: 3 complete") == 2 and "Traceback" not in logs, logs
-    assert "waiting for those other sweep processes run" in logs, logs
+    assert "waiting while other sweep processes run theirs" in logs, logs
     trials = optuna.load_study(study_name=study, storage=postgres_url).get_trials()
     kept = [t for t in trials if not t.user_attrs.get("surplus")]
     assert [t.state.name for t in kept] == ["COMPLETE"] * 3, [(t.number, t.state.name, t.user_attrs) for t in trials]

@@ -134,7 +134,7 @@ class SweepRun:
                 if not studies.running_elsewhere(study):
                     return None
             if not said:
-                log.info("the sweep's trials are all taken; waiting for those other sweep processes run")
+                log.info("the sweep's trials are all taken; waiting while other sweep processes run theirs")
                 said = True
             self.stopping.wait(sweep.heartbeat)
         return None
