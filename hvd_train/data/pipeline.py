@@ -283,13 +283,10 @@ def _shard_records(shard_set: ShardSet, segments, rank: int, seed: int, reader: 
     return reader.dataset(stream, spec).unbatch()
 
 
-def _augmenter(
-    augment: str, image_size: int, seed: int, fused_jpeg: bool = True, background: str = "white", magnitude=9.0
-):
+def _augmenter(augment: str, image_size: int, seed: int, fused_jpeg=True, background="white", magnitude=9.0):
     """``f(encoded image, key index)``: decode and augment, drawn from ``(seed, key index)``.
 
-    ``randaugment`` is the crop and flip, then RandAugment's two operations at ``magnitude``.
-    """
+    ``randaugment``: the crop and flip, then two RandAugment operations at ``magnitude``."""
     randaugment = augment == "randaugment"
     flips = "flip" in augment or randaugment
     crops = "crop" in augment or randaugment
@@ -301,8 +298,7 @@ def _augmenter(
         image = _resize(decode_window(contents, window, fused_jpeg, image_size, background), image_size)
         if flips:
             image = tf.image.stateless_random_flip_left_right(image, flip_key)
-        if randaugment:
-            # A key of its own, beside the crop's and the flip's (which stay what they were).
+        if randaugment:  # a key of its own: the crop's and the flip's stay what they were
             image = rand_augment(image, tf.random.experimental.stateless_fold_in(key, 1), magnitude)
         return image
 

@@ -26,8 +26,8 @@ asks for them (``take_stand_ins``).
 The recipe options that change the step live here too: ``--mixup`` and
 ``--cutmix`` mix each batch in the step (``mixing``), from ``(seed, rank,
 images seen)``; ``--ema`` is Keras's moving average of the weights, kept by
-the optimizer (``averages``, ``averaged``); ``--weight-decay`` and
-``--class-weights``.
+the optimizer, with the BatchNorm statistics' averages beside it
+(``averages``, ``averaged``); ``--weight-decay`` and ``--class-weights``.
 
 Under ``--precision mixed_float16`` the optimizer is
 ``LossScaleOptimizer(DistributedOptimizer(...))`` (see ``precision``). With
@@ -224,7 +224,7 @@ class Net:
 
     @contextlib.contextmanager
     def averaged(self):
-        """Inside: the trainable variables hold their moving averages (``--ema``); after: their own values again."""
+        """Inside: the weights and statistics hold their moving averages (``--ema``); after: their own values."""
         pairs = self.averages()
         own = [tf.identity(v) for v, _ in pairs]
         for variable, average in pairs:
@@ -236,7 +236,7 @@ class Net:
                 variable.assign(value)
 
     def use_averages(self) -> None:
-        """The trainable variables take their moving averages for good (the end of a run with ``--ema``)."""
+        """The weights and statistics take their moving averages for good (the end of a run with ``--ema``)."""
         for variable, average in self.averages():
             variable.assign(average)
 
