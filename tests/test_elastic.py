@@ -210,8 +210,8 @@ def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     # it (the first worker waits there while it starts), in epoch 2 or after: 6 epochs, as 3 could
     # end (in 2 s) before discovery's next look.
     # With the recipe options whose state is more than the weights: the joining worker must get the
-    # averaged weights (--ema) and the best epoch (--early-stop) too, and mix as the others do.
-    recipe = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--early-stop", "9"]
+    # averaged weights (--ema) and the best epoch (--early-stop) too, and mix and augment as the others do.
+    recipe = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--early-stop", "9", "--augment", "randaugment"]
     proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, *recipe, epochs=6)
     wait_until(proc, lambda: len(records(samples)) >= 15, "step 15")
     write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")

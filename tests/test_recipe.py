@@ -250,7 +250,9 @@ def test_early_stop_with_ema_saves_the_best_epochs_averaged_weights_and_resumes(
     out = tmp_path / "run"
     # Five classes: top-5 is always 1.0, so it never improves after epoch 1 and patience 1 ends the run
     # after epoch 2; epoch 1's checkpoint is kept beyond --keep-checkpoints 1, and its model is saved.
+    # Under mixed precision: the averages, the mixing and the saved float32 copy together.
     options = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--keep-checkpoints", "1"]
+    options += ["--precision", "mixed_bfloat16"]
     stop = ["--early-stop", "1", "--early-stop-metric", "val_top5"]
     command = ["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY[:-1], "3", *options]
     first = cli([*command, *stop])

@@ -28,10 +28,12 @@ BAR_SECONDS = 0.25
 
 # The painter's share of the run's time at most. A picture of the curves takes
 # ~0.25 s of CPU and the GIL from the steps beside it: with a picture after
-# every epoch, MobileNetV2's 2-second epochs on 2 cores ran 6-8 % slower. After
-# each picture (and matplotlib's warm-up) the painter waits until its CPU time
-# is this share of the time since; the last picture is drawn at once.
-PAINT_SHARE = 0.02
+# every epoch, MobileNetV2's 2-second epochs on 2 cores ran 6-8 % slower; at a
+# 2 % share, the epoch with a picture in it 15 % slower. After each picture
+# (and matplotlib's warm-up) the painter waits until its CPU time is this
+# share of the time since (about a minute on 2 cores); the last picture is
+# drawn at once, and ``wait`` draws one now.
+PAINT_SHARE = 0.005
 
 METRIC_COLUMNS = (
     "epoch",
@@ -206,6 +208,7 @@ class Reporters:
         self._painter = threading.Condition()
         self._latest: list[dict] | None = None
         self._handed = self._drawn = self._waiting = 0
+        self.pictures = 0  # drawn so far
         self._closed = False
         self._next = 0.0  # time.monotonic() from which the painter may draw again
         self._thread = threading.Thread(target=self._paint, name="curves", daemon=True)
@@ -278,6 +281,7 @@ class Reporters:
                 rows, handed, self._latest = self._latest, self._handed, None  # only the latest epochs matter
             self._draw(lambda rows=rows: plots.curves(rows, self.curves, self.title))
             with self._painter:
+                self.pictures += 1
                 self._drawn = handed
                 self._painter.notify_all()
 
