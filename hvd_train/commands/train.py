@@ -21,15 +21,28 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Validated before Horovod starts and before any rank reads data: every
-    # rank rejects a bad option the same way, and none waits for another.
     import gc
-    import os
 
     # TensorFlow's, Keras's and Horovod's modules make hundreds of thousands of objects that live
     # as long as the process: the cycle collector's passes over them while they are made took
     # about 0.5 s of every rank's start. Off while they load, then moved out of its way.
     gc.disable()
+    try:
+        cfg, ctx = _start(args)
+    finally:
+        gc.freeze()
+        gc.enable()
+    from hvd_train.training.run import run as train
+
+    train(cfg, ctx)
+    return 0
+
+
+def _start(args: argparse.Namespace):
+    """The checked configuration and this rank's Horovod context, with TensorFlow and Horovod loaded."""
+    # Validated before Horovod starts and before any rank reads data: every
+    # rank rejects a bad option the same way, and none waits for another.
+    import os
 
     from hvd_train.errors import UserError
 
@@ -60,9 +73,6 @@ def run(args: argparse.Namespace) -> int:
     start.warn_ineffective(cfg.horovod, ctx)
     if cfg.run.log_all_ranks:
         log.setup(ctx.rank, ctx.size, all_ranks=True)
-    from hvd_train.training.run import run as train
+    import hvd_train.training.run  # noqa: F401  (loaded with the collector off)
 
-    gc.freeze()
-    gc.enable()
-    train(cfg, ctx)
-    return 0
+    return cfg, ctx

@@ -174,8 +174,8 @@ class TrialJob:
         The trial's heartbeats go on while it waits.
         """
         fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = beat = time.monotonic()
-        deadline += LOCK_WAIT
+        beat = time.monotonic()
+        deadline = beat + LOCK_WAIT
         said = False
         while True:
             try:
