@@ -16,7 +16,6 @@ everything, and training goes on.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -91,7 +90,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.uri)
-        kept = _read_run_file(os.path.join(self.output, RUN_FILE))
+        kept = files.read_json(os.path.join(self.output, RUN_FILE), {})
         try:
             _probe(self.uri)
             if resumed and kept.get("run_id") and kept.get("tracking_uri") == redact_url(self.uri):
@@ -113,8 +112,8 @@ class Tracker:
                 f"cannot log to MLflow at {redact_url(self.uri)} ({first_line(e)}); start the tracking server, "
                 "or check --track-uri / MLFLOW_TRACKING_URI."
             ) from None
-        with files.replacing(os.path.join(self.output, RUN_FILE), "w") as f:
-            json.dump({"tracking_uri": redact_url(self.uri), "run_id": self.run_id, "experiment": self.experiment}, f)
+        run_file = {"tracking_uri": redact_url(self.uri), "run_id": self.run_id, "experiment": self.experiment}
+        files.write_json(os.path.join(self.output, RUN_FILE), run_file)
         log.info("MLflow: run %s in experiment %s at %s", self.run_id, self.experiment, redact_url(self.uri))
 
     def log_epoch(self, epoch: int, logs: dict[str, Any]) -> None:
@@ -194,11 +193,3 @@ def _probe(uri: str, timeout: float = 10.0) -> None:
         return
     with urllib.request.urlopen(f"{redact_url(uri).rstrip('/')}/health", timeout=timeout):
         pass
-
-
-def _read_run_file(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}

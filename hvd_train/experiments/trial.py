@@ -224,13 +224,13 @@ class TrialJob:
                 os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: its ranks too
         code = proc.returncode
         last = max((epoch for epoch, _ in self._epochs()), default=0)  # the epochs the job ran
-        if lost:
-            return Outcome("lost", None, last, "handed back by another sweep process")
-        if pruned is None and code == 0:
+        if pruned is None and code == 0 and not lost:
             try:
                 self._report(trial)  # the last epochs, written before the job ended
             except finished:
-                return Outcome("lost", None, last, "handed back by another sweep process")
+                lost = True
+        if lost:
+            return Outcome("lost", None, last, "handed back by another sweep process")
         if pruned is not None:
             value = self.reported[pruned]
             note = f"pruned at epoch {pruned}: {self.sweep.objective} {value:.4f}; stopped after epoch {last}"

@@ -60,11 +60,12 @@ class Mixer:
         # A stand-in (no weight) is not mixed into the image it is paired with.
         mixable = other_weights > 0
         if self.mixup and self.cutmix:
-            use_cutmix = tf.random.stateless_uniform([], choice_key) < 0.5
-            images_mixup, lam_mixup = self._mixup(images, other_images, lam_key)
-            images_cutmix, lam_cutmix = self._cutmix(images, other_images, lam_key, box_key)
-            mixed = tf.where(use_cutmix, images_cutmix, images_mixup)
-            lam = tf.where(use_cutmix, lam_cutmix, lam_mixup)
+            # One or the other, computed alone.
+            mixed, lam = tf.cond(
+                tf.random.stateless_uniform([], choice_key) < 0.5,
+                lambda: self._cutmix(images, other_images, lam_key, box_key),
+                lambda: self._mixup(images, other_images, lam_key),
+            )
         elif self.cutmix:
             mixed, lam = self._cutmix(images, other_images, lam_key, box_key)
         else:

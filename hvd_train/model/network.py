@@ -177,8 +177,7 @@ class Net:
         # reads it from its ``ema_momentum``, made this variable.
         self._ema_decay = tf.Variable(0.0, trainable=False, name="ema_decay")
         if self._ema:
-            inner = self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
-            inner.ema_momentum = self._ema_decay
+            self._inner_optimizer().ema_momentum = self._ema_decay
         # Optimizer state and metric sums must exist before they can be restored and broadcast.
         self.optimizer.build(self.model.trainable_variables)
         self._build_metrics()
@@ -214,13 +213,17 @@ class Net:
     def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
         """``(variable, its moving average)`` pairs under ``--ema``: the trainable variables, then the
         BatchNorm moving statistics. Empty without ``--ema``."""
-        inner = self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
+        inner = self._inner_optimizer()
         if not getattr(inner, "use_ema", False):
             return []
         # Keras made one average per variable, in the order ``build`` was given them.
         averages = inner._model_variables_moving_average
         pairs = list(zip(self.model.trainable_variables, averages, strict=True))
         return pairs + list(zip(self.batchnorm_statistics(), self._statistic_averages, strict=True))
+
+    def _inner_optimizer(self):
+        """The Keras optimizer inside the loss scale (``mixed_float16``), or the optimizer itself."""
+        return self.optimizer.inner_optimizer if is_loss_scaled(self.optimizer) else self.optimizer
 
     @contextlib.contextmanager
     def averaged(self):
