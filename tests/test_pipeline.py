@@ -67,6 +67,30 @@ def test_ids_name_the_images_of_each_batch(files):
         assert [int(round(img[:, -1].mean())) - 200 for img in images] == ids.tolist()  # the pixels say which image
 
 
+@pytest.mark.parametrize("batch", [4, 23, 40, 64])
+def test_batches_of_several_guarded_groups_follow_the_plan(files, batch):
+    """A batch is decoded in whole groups (4: one of 4, 40: two of 20, 64: two of 32), merged in order."""
+    from hvd_train.data.pipeline import STRIDED
+    from hvd_train.data.sharding import epoch_order
+    from hvd_train.data.stand_ins import group_size
+
+    segment = Segment.whole(0, N, 2, batch, seed=1)
+    batches = list(shard(files, 1, 2, epochs=1, batch=batch).dataset.as_numpy_iterator())
+    assert [len(ids) for _, _, ids in batches] == [batch] * segment.steps
+    ids = np.concatenate([ids for _, _, ids in batches])
+    assert ids.tolist() == epoch_order(N, 1, 0)[segment.stream(STRIDED, 1, 0)].tolist()
+    images = np.concatenate([images for images, _, _ in batches])
+    assert [int(round(img[:, -1].mean())) - 200 for img in images] == ids.tolist()  # each image with its id
+    assert batch // group_size(batch) == {4: 1, 23: 1, 40: 2, 64: 2}[batch]
+
+
+def test_group_sizes_divide_the_batch_and_stay_between_8_and_32_where_they_can():
+    from hvd_train.data.stand_ins import group_size
+
+    sizes = {b: group_size(b) for b in (1, 4, 8, 32, 37, 48, 64, 74, 256, 1024)}
+    assert sizes == {1: 1, 4: 4, 8: 8, 32: 32, 37: 37, 48: 24, 64: 32, 74: 37, 256: 32, 1024: 32}
+
+
 def test_order_changes_per_epoch_and_is_reproducible(files):
     first = labels_of(shard(files, 0, 1, epochs=2, batch=N).dataset)
     assert sorted(first[:N]) == sorted(first[N:]) and first[:N] != first[N:]
@@ -132,9 +156,9 @@ def test_undecodable_images_become_stand_ins_in_their_places_across_groups():
 
     import tensorflow as tf
 
-    from hvd_train.data import pipeline
+    from hvd_train.data import stand_ins as guard
 
-    group = pipeline.GUARDED_GROUP
+    group = guard.GUARDED_GROUP
     n = 2 * group + 5
     bad = {3, *range(group, 2 * group), 2 * group + 3}
 
@@ -152,6 +176,6 @@ def test_undecodable_images_become_stand_ins_in_their_places_across_groups():
     def stand_ins(i, encoded):
         return tf.fill([tf.shape(i)[0], 4], tf.constant(-7, tf.int64)), -1 - i
 
-    out = list(pipeline._decoded_or_stand_in(ds, load, stand_ins).as_numpy_iterator())
+    out = list(guard.decoded_or_stand_in(ds, load, stand_ins).unbatch().as_numpy_iterator())
     assert [int(i) for _, i in out] == [-1 - i if i in bad else i for i in range(n)]
     assert [pixels.tolist() for pixels, _ in out] == [[-7] * 4 if i in bad else [i] * 4 for i in range(n)]

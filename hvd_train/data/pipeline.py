@@ -36,6 +36,7 @@ from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_windo
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.randaugment import rand_augment
 from hvd_train.data.sharding import Segment, Strided, epoch_order
+from hvd_train.data.stand_ins import black, decoded_or_stand_in, group_size
 from hvd_train.data.streams import StreamReader
 
 Preprocess = Callable[[tf.Tensor], tf.Tensor]
@@ -112,18 +113,23 @@ def train_input(
             return augmenter(contents, epoch * n + index), labels_t[index], index
 
         def stand_ins(index, epoch, contents):
-            return _black(index, image_size), tf.gather(labels_t, index), -1 - index
+            return black(index, image_size), tf.gather(labels_t, index), -1 - index
 
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
     if isinstance(data, ShardSet):
         ds = ds.map(plain(load), num_parallel_calls=tf.data.AUTOTUNE)  # records were decoded when packed
-    else:
-        ds = _decoded_or_stand_in(ds, load, stand_ins)
-    ds = ds.batch(batch, drop_remainder=True)
-    # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
-    ds = ds.map(
-        plain(lambda images, labels, ids: (preprocess(images), labels, ids)), num_parallel_calls=tf.data.AUTOTUNE
-    )
+        ds = ds.batch(batch, drop_remainder=True)
+    else:  # a batch of whole groups, merged by a reshape: nothing is unbatched and batched again
+        group = group_size(batch)
+        ds = decoded_or_stand_in(ds, load, stand_ins, group).batch(batch // group, drop_remainder=True)
+
+    def prepared(images, labels, ids):
+        if not isinstance(data, ShardSet):
+            images, labels, ids = (tf.reshape(p, [batch, *p.shape[2:]]) for p in (images, labels, ids))
+        # The model's preprocessing, once per batch: vectorized over the batch, cheaper than per image.
+        return preprocess(images), labels, ids
+
+    ds = ds.map(plain(prepared), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     return TrainInput(_with_threads(ds, threads), segments, reader)
 
@@ -142,55 +148,6 @@ def release(held: list) -> None:
     at exit.
     """
     threading.Thread(target=held.clear, name="release-input", daemon=True).start()
-
-
-# Images decoded together under one guard against decode errors (``_decoded_or_stand_in``): enough to
-# spread the guard's cost (a few small datasets per group), few enough to keep few images in flight.
-GUARDED_GROUP = 8
-
-
-def _decoded_or_stand_in(ds: tf.data.Dataset, load, stand_ins) -> tf.data.Dataset:
-    """``ds.map(load)``, where an element whose image cannot be decoded becomes a stand-in.
-
-    ``stand_ins`` takes elements batched (a tensor per component) and gives their stand-ins.
-
-    An image that passed the start-up check can still fail to decode (a
-    corrupt middle that ``--check-images quick`` does not read, or any
-    image under ``none``). Under Horovod a rank may neither drop it (it
-    would run a step fewer, and the others would wait for it forever) nor
-    fail on it (every rank would stop). So it is replaced, in its place in
-    the order, by a stand-in that says what it is: a black image whose id
-    (training) or label (evaluation) is ``-1 - index``. Training gives it
-    no weight and evaluation does not count it; both list it. Reading
-    errors (a file gone, S3 down) are not caught here: they stop the run
-    as before.
-
-    Elements go in groups of ``GUARDED_GROUP``. A group is decoded by a
-    small dataset that drops the elements that fail, each kept with its
-    place in the group; the group's stand-ins then take in the ones that
-    decoded, in their places. Groups are decoded in parallel and in order,
-    like ``map``. A dataset per element, which this replaced, halved the
-    pipeline's speed.
-    """
-
-    def group(*elements):
-        places = tf.range(tf.shape(elements[0])[0])
-        decoded = (
-            tf.data.Dataset.from_tensor_slices((places, elements))
-            .map(plain(lambda place, element: (place, load(*element))))
-            .ignore_errors()
-            .batch(GUARDED_GROUP)
-        )
-        none = tf.nest.map_structure(lambda s: tf.zeros([0, *s.shape[1:]], s.dtype), decoded.element_spec)
-        kept, images = decoded.concatenate(tf.data.Dataset.from_tensors(none)).take(1).get_single_element()
-        return tuple(tf.tensor_scatter_nd_update(s, kept[:, None], d) for s, d in zip(stand_ins(*elements), images))
-
-    return ds.batch(GUARDED_GROUP).map(plain(group), num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-
-
-def _black(ids: tf.Tensor, image_size: int) -> tf.Tensor:
-    """Black images, one per id in ``ids``."""
-    return tf.zeros([tf.shape(ids)[0], image_size, image_size, 3], tf.float32)
 
 
 def _folder_files(data: ImageSet, segments, rank: int, seed: int, s3):
@@ -377,9 +334,9 @@ def eval_dataset(
             ds = ds.map(plain(lambda i, p: (i, tf.io.read_file(p))), num_parallel_calls=tf.data.AUTOTUNE)
 
         def stand_ins(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
-            return _black(i, image_size), tf.cast(-1 - (rank + i * size), tf.int32)
+            return black(i, image_size), tf.cast(-1 - (rank + i * size), tf.int32)
 
-        ds = _decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_ins)
+        ds = decoded_or_stand_in(ds, lambda i, contents: (center(contents), labels_t[i]), stand_ins).unbatch()
     ds = ds.batch(batch_size).map(plain(lambda images, labels: (preprocess(images), labels)))
     return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 
