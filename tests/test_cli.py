@@ -60,6 +60,7 @@ def test_outputs_of_a_run(trained_run, demo_small):
     assert all(float(r["images_per_sec"]) > 0 and r["val_accuracy"] != "" for r in rows)
     summary = read_json(out / "summary.json")
     assert summary["val_images"] == 25 and summary["world_size"] == 1
+    assert summary["horovod_environment"]["HOROVOD_CYCLE_TIME"] == "100"  # one process: Horovod's thread idles
     assert summary["global_batch"] == 8 and summary["tensorflow"] and summary["horovod"] == "0.28.1"
     assert summary["val_accuracy"] == pytest.approx(float(rows[-1]["val_accuracy"]), abs=1e-5)
     config = yaml.safe_load((out / "run_config.yaml").read_text())

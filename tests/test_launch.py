@@ -394,3 +394,25 @@ def test_plain_horovodrun_ends_a_stop_with_75_alone(status):
     else:
         assert proc.returncode == 1 and "RuntimeError: Horovod detected" in proc.stderr, output_of(proc)
         assert "Exit code: 3" in proc.stderr, output_of(proc)
+
+
+@pytest.mark.parametrize(
+    "env, one",
+    [
+        ({}, True),  # no launcher
+        ({"HOROVOD_SIZE": "1"}, True),  # horovodrun -np 1
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, True),  # mpirun -np 1
+        ({"HOROVOD_SIZE": "2"}, False),
+        ({"OMPI_COMM_WORLD_SIZE": "4", "PMI_SIZE": "4"}, False),
+        ({"PMIX_RANK": "0"}, False),  # srun --mpi=pmix: the size is not in the environment
+        ({"HOROVOD_SIZE": "1", "HOROVOD_ELASTIC": "1"}, False),  # an elastic job may grow
+    ],
+)
+def test_a_job_of_one_process_is_known_before_horovod_starts(monkeypatch, env, one):
+    from hvd_train.distributed import start
+
+    for name in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "HOROVOD_ELASTIC"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert start.one_process_job() is one

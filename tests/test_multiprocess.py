@@ -89,6 +89,7 @@ def check_identical_and_exact(out, dump, proc, global_batch=16):
     assert all(np.array_equal(a, b) for a, b in zip(w0, w1)), "ranks ended with different weights"
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch"] == global_batch
+    assert summary["horovod_environment"]["HOROVOD_CYCLE_TIME"] is None  # Horovod's own: only one process slows it
     # 23 images x 5 classes, 20% held out per class: 25 images, not a multiple of the global batch.
     # (gloo_run's classes of 24 and 25 images hold out 5 too, and its broken images are all trained on.)
     assert summary["val_images"] == 25
