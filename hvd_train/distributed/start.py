@@ -60,7 +60,7 @@ def check_launch(elastic: bool) -> None:
         )
 
 
-def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
+def init(threads_per_rank: int = 0, deterministic: bool = False, process_sets: bool = False) -> Context:
     """Initialises Horovod and TensorFlow for this process.
 
     * Under plain ``mpirun`` (or ``horovodrun --mpi``) Horovod is initialised
@@ -76,6 +76,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
     Args:
         threads_per_rank: TensorFlow threads per process (0: usable cores / local ranks sharing them).
         deterministic: TensorFlow op determinism (``--deterministic``).
+        process_sets: let ``groups.register`` add process sets (the sharded head).
 
     Returns:
         The context of this process.
@@ -98,9 +99,9 @@ def init(threads_per_rank: int = 0, deterministic: bool = False) -> Context:
         from mpi4py import MPI
 
         # Horovod: share mpi4py's MPI_COMM_WORLD instead of initialising MPI twice.
-        hvd.init(comm=MPI.COMM_WORLD)
+        hvd.init(comm=MPI.COMM_WORLD, process_sets="dynamic" if process_sets else None)
     else:
-        hvd.init()
+        hvd.init(process_sets="dynamic" if process_sets else None)
     ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
     ctx.cpu = cpus.budget(ctx.local_size, threads_per_rank)
 

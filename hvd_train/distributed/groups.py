@@ -1,0 +1,125 @@
+"""Groups of ranks for the sharded head (``--head-parallel G``), as Horovod process sets.
+
+A job of N ranks is cut into N / G groups of G consecutive ranks. Each
+group holds one whole classification head, split by class: rank ``k G + j``
+holds shard ``j``. Within a group the ranks exchange features and partial
+sums (``sharded_head``); across groups, the ranks that hold the same shard
+(its *peers*: ``j, G + j, 2 G + j, ...``) average that shard's gradients,
+as data parallelism averages everything else over all N ranks.
+
+Horovod needs every process set registered on every rank in the same
+order; ``register`` does that once, after ``hvd.init`` in dynamic mode
+(``start.init(process_sets=True)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hvd_train.errors import UserError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which rank holds which part of the head.
+
+    Attributes:
+        size: ranks in the job.
+        parallel: ranks per group (G): the shards of one head.
+    """
+
+    size: int
+    parallel: int
+
+    @property
+    def groups(self) -> int:
+        return self.size // self.parallel
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.parallel
+
+    def shard_of(self, rank: int) -> int:
+        return rank % self.parallel
+
+    def group_ranks(self, group: int) -> list[int]:
+        return list(range(group * self.parallel, (group + 1) * self.parallel))
+
+    def peer_ranks(self, shard: int) -> list[int]:
+        return list(range(shard, self.size, self.parallel))
+
+
+def shard_range(classes: int, parallel: int, shard: int) -> tuple[int, int]:
+    """``(first class, number of classes)`` of ``shard``: as even as ``classes`` allows, in class order."""
+    first = shard * classes // parallel
+    return first, (shard + 1) * classes // parallel - first
+
+
+def check(parallel: int, size: int, classes: int | None = None) -> None:
+    """Refuses a ``--head-parallel`` that cannot split the head over this job.
+
+    Raises:
+        UserError: one line naming the value and the fix.
+    """
+    if parallel < 1:
+        raise UserError(f"--head-parallel {parallel}: use a whole number >= 1 (the ranks that share one head).")
+    if parallel > size:
+        raise UserError(
+            f"--head-parallel {parallel} is more than the {size} workers of this job: use at most {size}, "
+            "or start more workers."
+        )
+    if size % parallel:
+        fits = [g for g in range(1, size + 1) if size % g == 0]
+        raise UserError(
+            f"--head-parallel {parallel} does not divide the {size} workers of this job into groups: "
+            f"use one of {', '.join(map(str, fits))}."
+        )
+    if classes is not None and classes < parallel:
+        raise UserError(
+            f"--head-parallel {parallel} is more than the {classes} classes of the data: each rank needs a class "
+            f"of its own; use at most {classes}."
+        )
+
+
+@dataclass
+class HeadGroups:
+    """This rank's process sets for the sharded head.
+
+    Attributes:
+        layout: the split of the job.
+        rank: this process's global rank.
+        group: the process set of this rank's group (Horovod's global set when there is one group).
+        peers: the process set of this shard's holders in every group (None with one group).
+    """
+
+    layout: Layout
+    rank: int
+    group: Any
+    peers: Any
+
+    @property
+    def shard(self) -> int:
+        return self.layout.shard_of(self.rank)
+
+    @property
+    def parallel(self) -> int:
+        return self.layout.parallel
+
+
+def register(layout: Layout, rank: int) -> HeadGroups:
+    """Adds the groups' and the peers' process sets (every rank, same order) and gives this rank's.
+
+    Needs Horovod started with dynamic process sets. A group of the whole job
+    is Horovod's global set (a duplicate set would be refused); a shard held
+    by one group has no peers to average with.
+    """
+    import horovod.tensorflow as hvd
+
+    if layout.parallel == 1:
+        raise ValueError("a head split over one rank is not split: use the ordinary head")
+    groups = [
+        hvd.global_process_set if layout.groups == 1 else hvd.add_process_set(layout.group_ranks(g))
+        for g in range(layout.groups)
+    ]
+    peers = [None if layout.groups == 1 else hvd.add_process_set(layout.peer_ranks(j)) for j in range(layout.parallel)]
+    return HeadGroups(layout, rank, groups[layout.group_of(rank)], peers[layout.shard_of(rank)])

@@ -1,0 +1,122 @@
+"""The classification head split by class over a group of ranks (``--head-parallel G``).
+
+Hybrid parallelism, as in Krizhevsky's "one weird trick" and Yadan et al.:
+the backbone (much compute, few parameters) stays data-parallel, and the
+head (a Dense softmax layer: few FLOPs, C x F parameters) is split. Rank
+``j`` of a group holds classes ``[first, first + count)`` (``groups.shard_range``)
+of the kernel and bias. One step of the head, on every rank of a group:
+
+1. the group allgathers its features, labels and weights (``G B`` rows);
+2. each rank computes the logits of its classes for all ``G B`` rows;
+3. the softmax cross-entropy is made exact across shards from one more
+   allgather of five numbers a row and shard: the shard's largest logit,
+   its sum of ``exp(logit - largest)``, the label's logit (0 where the
+   label is another shard's), the sum of the logits (label smoothing), and
+   the shard's best class. ``log sum exp`` over all classes is then
+   ``m + log sum_j s_j exp(m_j - m)`` with ``m = max_j m_j``;
+4. the gradient of the logits is ``(softmax - target) w / B`` for a row of
+   weight ``w`` from a rank of batch ``B``: each rank's loss is the mean of
+   its own rows, as in the data-parallel step;
+5. the gradients of the features are partial sums over the shards, summed
+   and handed back to the rows' ranks by one reduce-scatter;
+6. the head's gradients cover the group's rows: divided by G and averaged
+   over the shard's peers in the other groups, they are exactly the
+   data-parallel average over all ranks.
+
+The backbone's gradients then come from its own tape with the features'
+gradients as output gradients, and are averaged over all ranks as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hvd_train.compat import tf
+from hvd_train.distributed.groups import HeadGroups
+
+
+@dataclass
+class HeadStep:
+    """What one step of the sharded head gives a rank.
+
+    Attributes:
+        loss: the group's loss (the mean of its ranks' losses), as every rank of the group sees it.
+        d_features: the gradient of this rank's own features ([B, F]).
+        d_kernel, d_bias: the gradients of this rank's shard, averaged as data parallelism would.
+        predicted: the best class of each of this rank's rows, over all classes.
+    """
+
+    loss: tf.Tensor
+    d_features: tf.Tensor
+    d_kernel: tf.Tensor
+    d_bias: tf.Tensor
+    predicted: tf.Tensor
+
+
+def head_step(
+    features: tf.Tensor,
+    labels: tf.Tensor,
+    weights: tf.Tensor,
+    kernel: tf.Tensor,
+    bias: tf.Tensor,
+    *,
+    first: int,
+    classes: int,
+    groups: HeadGroups,
+    smoothing: float = 0.0,
+) -> HeadStep:
+    """Loss and gradients of the softmax head split over ``groups.group``, for this rank's batch.
+
+    Args:
+        features: this rank's features [B, F] (any float type; the head computes in float32).
+        labels: class indices [B] over all classes.
+        weights: per-row weights [B] (0 for a stand-in image).
+        kernel, bias: this rank's shard: [F, count] and [count], classes ``first ..``.
+        classes: all classes of the head.
+        smoothing: label smoothing (Keras's: ``1 - s`` on the label, ``s / classes`` on every class).
+    """
+    import horovod.tensorflow as hvd
+
+    group, parallel = groups.group, groups.parallel
+    batch = tf.shape(features)[0]
+    count = tf.shape(kernel)[1]
+    rows = hvd.allgather(features, process_set=group)
+    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=group)
+    all_weights = hvd.allgather(tf.cast(weights, tf.float32), process_set=group)
+    rows = tf.cast(rows, tf.float32)
+    logits = tf.matmul(rows, kernel) + bias
+
+    local = all_labels - first
+    mine = (local >= 0) & (local < count)
+    local = tf.where(mine, local, 0)
+    largest = tf.reduce_max(logits, axis=1)
+    summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
+    label_logit = tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0)
+    best = tf.cast(tf.argmax(logits, axis=1, output_type=tf.int32) + first, tf.float64)
+    stats = tf.stack(
+        [tf.cast(v, tf.float64) for v in (largest, summed, label_logit, tf.reduce_sum(logits, axis=1))] + [best],
+        axis=1,
+    )
+    every = tf.reshape(hvd.allgather(stats, process_set=group), [parallel, -1, 5])
+    top = tf.reduce_max(every[..., 0], axis=0)
+    normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
+    row_loss = normalizer - (1.0 - smoothing) * tf.reduce_sum(every[..., 2], axis=0)
+    if smoothing:
+        row_loss -= smoothing / classes * tf.reduce_sum(every[..., 3], axis=0)
+    winner = tf.argmax(every[..., 0], axis=0, output_type=tf.int32)
+    predicted = tf.cast(tf.gather(tf.transpose(every[..., 4]), winner, batch_dims=1), tf.int32)
+
+    batch_f = tf.cast(batch, tf.float32)
+    probs = tf.exp(logits - tf.cast(normalizer, tf.float32)[:, None])
+    target = (1.0 - smoothing) * tf.one_hot(local, count) * tf.cast(mine, tf.float32)[:, None] + smoothing / classes
+    d_logits = (probs - target) * (all_weights / batch_f)[:, None]
+    d_kernel = tf.matmul(rows, d_logits, transpose_a=True) / parallel
+    d_bias = tf.reduce_sum(d_logits, axis=0) / parallel
+    if groups.peers is not None:
+        d_kernel, d_bias = hvd.grouped_allreduce([d_kernel, d_bias], op=hvd.Average, process_set=groups.peers)
+    d_rows = tf.matmul(d_logits, kernel, transpose_b=True)
+    d_features = hvd.reducescatter(d_rows, op=hvd.Sum, process_set=group)
+
+    loss = tf.reduce_sum(tf.cast(row_loss, tf.float32) * all_weights) / (batch_f * parallel)
+    own = tf.range(batch) + groups.shard * batch
+    return HeadStep(loss, tf.cast(d_features, features.dtype), d_kernel, d_bias, tf.gather(predicted, own))

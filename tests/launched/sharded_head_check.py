@@ -1,0 +1,110 @@
+"""Launched under horovodrun by the tests: the sharded head against the data-parallel head.
+
+Usage: python sharded_head_check.py OUT_DIR G[,G...] SMOOTHING[,SMOOTHING...]
+Every layout (G ranks per head) with every label smoothing. A small
+backbone (``tanh(x A)``) and a Dense softmax head of 11 classes (uneven
+shards). Every rank draws its own batch (a weight-0 row among them); the
+weights are drawn alike on every rank. Both ways compute, in a
+``tf.function``: the loss, the backbone's gradient and the head's
+gradients (the sharded head's shard against the slice of the full one's),
+and the predicted classes. Then three SGD steps each way, and the weights
+after them. Each rank writes the largest relative differences, by
+``G=..,s=..``, to OUT_DIR/rank{R}.json.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+from hvd_train.distributed import start
+from hvd_train.distributed.groups import Layout, register, shard_range
+
+out_dir = sys.argv[1]
+layouts = [int(g) for g in sys.argv[2].split(",")]
+smoothings = [float(s) for s in sys.argv[3].split(",")]
+ctx = start.init(threads_per_rank=1, process_sets=True)
+
+import horovod.tensorflow as hvd  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from hvd_train.model.sharded_head import head_step  # noqa: E402
+
+CLASSES, FEATURES, INPUTS, BATCH, LR = 11, 6, 5, 4, 0.5
+start_weights = np.random.default_rng(0)
+A0 = start_weights.normal(size=(INPUTS, FEATURES)).astype("float32")
+W0 = start_weights.normal(size=(FEATURES, CLASSES)).astype("float32")
+b0 = start_weights.normal(size=(CLASSES,)).astype("float32") * 0.1
+# Every rank registers every layout's process sets, in the same order.
+registered = {g: register(Layout(ctx.size, g), ctx.rank) for g in layouts}
+
+
+def batch(step):
+    rng = np.random.default_rng(1000 * step + ctx.rank)
+    x = rng.normal(size=(BATCH, INPUTS)).astype("float32")
+    y = rng.integers(0, CLASSES, size=BATCH).astype("int32")
+    w = np.ones(BATCH, "float32")
+    w[1] = 0.0  # a stand-in: no weight
+    return tf.constant(x), tf.constant(y), tf.constant(w)
+
+
+def relative(a, b):
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def check(groups, smoothing):
+    first, count = shard_range(CLASSES, groups.parallel, groups.shard)
+
+    @tf.function
+    def sharded(A, kernel, bias, x, y, w):
+        with tf.GradientTape() as tape:
+            features = tf.tanh(tf.matmul(x, A))
+        step = head_step(features, y, w, kernel, bias, first=first, classes=CLASSES, groups=groups, smoothing=smoothing)
+        d_a = hvd.allreduce(tape.gradient(features, A, output_gradients=step.d_features), op=hvd.Average)
+        return hvd.allreduce(step.loss, op=hvd.Average), d_a, step.d_kernel, step.d_bias, step.predicted
+
+    @tf.function
+    def data_parallel(A, W, b, x, y, w):
+        with tf.GradientTape() as tape:
+            logits = tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b
+            target = tf.one_hot(y, CLASSES) * (1 - smoothing) + smoothing / CLASSES
+            rows = tf.nn.softmax_cross_entropy_with_logits(target, logits)
+            loss = tf.reduce_sum(rows * w) / BATCH
+        grads = [hvd.allreduce(g, op=hvd.Average) for g in tape.gradient(loss, [A, W, b])]
+        return hvd.allreduce(loss, op=hvd.Average), grads, tf.argmax(logits, axis=1, output_type=tf.int32)
+
+    x, y, w = batch(0)
+    A, W, b = tf.Variable(A0), tf.Variable(W0), tf.Variable(b0)
+    kernel, bias = tf.Variable(W0[:, first : first + count]), tf.Variable(b0[first : first + count])
+    loss_s, d_a_s, d_k, d_b, predicted = sharded(A, kernel, bias, x, y, w)
+    loss_d, (d_a_d, d_w, d_bias_d), argmax = data_parallel(A, W, b, x, y, w)
+    result = {
+        "shard": [first, count],
+        "loss": relative(loss_s, loss_d),
+        "backbone": relative(d_a_s, d_a_d),
+        "kernel": relative(d_k, d_w[:, first : first + count]),
+        "bias": relative(d_b, d_bias_d[first : first + count]),
+        "predicted": predicted.numpy().tolist(),
+        "argmax": argmax.numpy().tolist(),
+        "head_gradient_nonzero": float(np.max(np.abs(d_k))),
+    }
+
+    A_s, A_d = tf.Variable(A0), tf.Variable(A0)
+    for step in range(1, 4):
+        x, y, w = batch(step)
+        _, d_a_s, d_k, d_b, _ = sharded(A_s, kernel, bias, x, y, w)
+        _, (d_a_d, d_w, d_bias_d), _ = data_parallel(A_d, W, b, x, y, w)
+        for var, grad in ((A_s, d_a_s), (kernel, d_k), (bias, d_b), (A_d, d_a_d), (W, d_w), (b, d_bias_d)):
+            var.assign_sub(LR * grad)
+    result["trained_backbone"] = relative(A_s, A_d)
+    result["trained_kernel"] = relative(kernel, W[:, first : first + count])
+    result["trained_bias"] = relative(bias, b[first : first + count])
+    result["moved"] = relative(W0[:, first : first + count], kernel)
+    return result
+
+
+results = {f"G={g},s={s:g}": check(registered[g], s) for g in layouts for s in smoothings}
+with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
+    json.dump(results, f)
