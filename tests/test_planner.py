@@ -96,13 +96,52 @@ def test_bad_values_are_clear_errors():
         planner.predict(setup(batch=0), 2)
 
 
+def head_costs(classes, workers=2, parallel=2, batch=32, per_host=8):
+    from hvd_train.perf import head_plan
+
+    head = head_plan.Head(classes, 256, batch)
+    intra, inter = planner.Link(1.1e9, 0.0), planner.Link(25 * GBIT, 50e-6)
+    data_link, group_link, peer_link = head_plan.links(workers, parallel, per_host, intra, inter)
+    data = head_plan.data_parallel(head, workers, data_link, 128 * 2**20, 0.001)
+    split = head_plan.sharded(head, workers, parallel, group_link, peer_link, 128 * 2**20, 0.001)
+    crossing = head_plan.crossover(head, workers, parallel, per_host, intra, inter, 128 * 2**20, 0.001)
+    return data, split, crossing
+
+
+def test_the_sharded_head_sends_what_its_group_needs_and_the_data_parallel_one_its_classes():
+    (data_k, split_k, _), (data_m, split_m, _) = head_costs(1000), head_costs(1_000_000)
+    assert split_k.wire_bytes == split_m.wire_bytes  # one group: features and partial sums, whatever the classes
+    assert head_costs(1000, batch=64)[1].wire_bytes == pytest.approx(2 * split_k.wire_bytes)  # ... by the rows
+    assert data_m.wire_bytes / data_k.wire_bytes == pytest.approx(1000, rel=0.01)
+    # Per rank: half the head's weights, gradients and momentum; as many logits (twice the rows, half the classes).
+    assert data_m.memory_bytes - split_m.memory_bytes == pytest.approx(4 * 257 * 500_000 * 3)
+    # Two groups: each shard's gradients are also averaged over its peers.
+    assert head_costs(1_000_000, workers=4)[1].wire_bytes > split_m.wire_bytes + 4 * 256 * 500_000
+
+
+@pytest.mark.parametrize("workers, per_host", [(2, 8), (16, 8), (64, 8)])
+def test_the_crossover_is_where_the_sharded_head_starts_to_communicate_less_time(workers, per_host):
+    crossing = head_costs(1000, workers=workers, per_host=per_host)[2]
+    below, at = (
+        head_costs(int(crossing * 0.98), workers, per_host=per_host),
+        head_costs(crossing, workers, per_host=per_host),
+    )
+    assert below[1].seconds >= below[0].seconds and at[1].seconds < at[0].seconds
+    assert head_costs(1000, workers=workers, batch=256, per_host=per_host)[2] > crossing  # more rows to gather
+
+
 def test_plan_command_prints_a_table_and_writes_json(tmp_path):
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"config": {"batch_size": 32}, "results": {"synthetic": {"per_worker": 80.0}}}))
     out = tmp_path / "plan.json"
     args = ["plan", "--model", "MobileNetV2", "--classes", "10", "--bench", bench, "--batch-size", "32"]
-    proc = cli([*args, "--workers", "1,2,16", "--inter-bandwidth", "1Gbit", "--overlap", "0", "--json", out])
+    more = ["--head-parallel", "2"]  # the head's two layouts: every worker count groups of 2 divide, not 1
+    proc = cli([*args, "--workers", "1,2,16", "--inter-bandwidth", "1Gbit", "--overlap", "0", "--json", out, *more])
     assert proc.returncode == 0, output_of(proc)
+    heads = read_json(out)["head"]
+    assert [h["workers"] for h in heads] == [2, 16] and all(h["use"] == "data" for h in heads)  # 10 classes
+    assert all(h["crossover"] > 10 and h["sharded"]["memory_bytes"] < h["data"]["memory_bytes"] for h in heads)
+    assert "x 1,280 features" in proc.stdout  # MobileNetV2's head, read from the model
     rows = read_json(out)["rows"]
     assert [r["workers"] for r in rows] == [1, 2, 16] and rows[0]["efficiency"] == 1
     assert (
@@ -120,6 +159,7 @@ def test_plan_command_prints_a_table_and_writes_json(tmp_path):
         (["--step-time", "1", "--inter-bandwidth", "0"], "a bandwidth must be > 0"),
         (["--step-time", "1", "--workers", "0,2"], "--workers '0,2'"),
         ([], "give one worker's speed"),
+        (["--step-time", "1", "--head-parallel", "1"], "--head-parallel 1: give the workers of one group"),
     ],
 )
 def test_plan_refuses_what_it_cannot_plan(args, message):

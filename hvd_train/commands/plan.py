@@ -56,6 +56,14 @@ def add_parser(subparsers) -> None:
         help="share of the backward pass the allreduce hides behind: about 1 on GPUs, 0 on CPUs",
     )
     parser.add_argument("--base-lr", type=float, default=0.01, help="learning rate of one worker")
+    parser.add_argument(
+        "--head-parallel",
+        type=int,
+        default=0,
+        help="also compare the head data-parallel against split by class over groups of G workers (0: no)",
+    )
+    parser.add_argument("--head-features", type=int, default=0, help="the head's inputs (0: the model's)")
+    parser.add_argument("--head-slots", type=int, default=1, help="optimizer values per weight (SGD 1, Adam 2)")
     parser.add_argument("--json", default="", help="write the plan (or the measured link) to this file")
     parser.set_defaults(run=run)
 
@@ -107,11 +115,59 @@ def run(args: argparse.Namespace) -> int:
     )
     rows = planner.table(setup, workers)
     _print(args, setup, params, rows)
+    heads = _head_layouts(args, setup, workers) if args.head_parallel else []
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"setup": _plain(setup), "params": params, "rows": [_plain(r) for r in rows]}, f, indent=2)
+            plan = {"setup": _plain(setup), "params": params, "rows": [_plain(r) for r in rows]}
+            json.dump({**plan, "head": heads} if heads else plan, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _head_layouts(args, setup, workers: list[int]) -> list[dict]:
+    """Prints and gives the head's cost in both layouts for each worker count that groups of G divide."""
+    from hvd_train.errors import UserError
+    from hvd_train.perf import head_plan
+
+    g = args.head_parallel
+    if g < 2:
+        raise UserError(f"--head-parallel {g}: give the workers of one group, 2 or more (0: no comparison).")
+    features = args.head_features or _head_features(args.model, args.classes)
+    head = head_plan.Head(args.classes, features, setup.batch, args.head_slots)
+    fusion, cycle = setup.fusion_bytes, setup.cycle_seconds
+    print(
+        f"\nthe head, {args.classes:,} classes x {features:,} features: data-parallel against split over groups of "
+        f"{g} (--head-parallel {g}); per worker and step"
+    )
+    print(f"{'workers':>7} {'layout':>9} {'MB sent':>10} {'comm s':>9} {'head MB':>10}  use")
+    out = []
+    for n in (n for n in workers if n >= g and n % g == 0):
+        data_link, group_link, peer_link = head_plan.links(n, g, setup.workers_per_host, setup.intra, setup.inter)
+        data = head_plan.data_parallel(head, n, data_link, fusion, cycle)
+        split = head_plan.sharded(head, n, g, group_link, peer_link, fusion, cycle)
+        best = "sharded" if split.seconds < data.seconds else "data"
+        for name, cost in (("data", data), ("sharded", split)):
+            mark = "<-" if name == best else ""
+            print(
+                f"{n:>7} {name:>9} {cost.wire_bytes / 1e6:>10.2f} {cost.seconds:>9.4f} "
+                f"{cost.memory_bytes / 1e6:>10.1f}  {mark}"
+            )
+        crossing = head_plan.crossover(head, n, g, setup.workers_per_host, setup.intra, setup.inter, fusion, cycle)
+        out.append({"workers": n, "data": _plain(data), "sharded": _plain(split), "use": best, "crossover": crossing})
+    for row in out:
+        where = f"from about {row['crossover']:,} classes" if row["crossover"] else "below 100 M classes: never"
+        print(f"{row['workers']} workers: the sharded head communicates less time {where}")
+    return out
+
+
+def _head_features(model: str, classes: int) -> int:
+    from hvd_train import compat  # noqa: F401
+    from hvd_train.config import ModelConfig
+    from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec
+
+    spec = get_spec(model)
+    built = build_model(ModelConfig(name=spec.name, weights="none"), classes, spec.default_size, load_weights=False)
+    return int(built.get_layer(HEAD_LAYER).kernel.shape[0])
 
 
 def _worker_counts(text: str) -> list[int]:
