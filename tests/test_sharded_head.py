@@ -48,13 +48,17 @@ def exact(results: dict, rank: int) -> None:
             assert r[name] <= 1e-5, (rank, key, name, r[name])
         assert r["predicted"] == r["argmax"], (rank, key)
         assert r["head_gradient_nonzero"] > 1e-3 and r["moved"] > 1e-3, (rank, key)  # something was compared
+        # Held-out scores over all classes: the loss, the best class and the top 5, merged from the shards.
+        assert r["score_loss"] <= 1e-5 and r["top1"][0] == r["top1"][1] and r["top5"][0] == r["top5"][1], (rank, key)
+        # The head written whole from the shards reads back exactly, and in another layout's shards.
+        assert r["read_back"] == 0 and r["resplit"] <= 1e-5, (rank, key)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("np_, layouts", [(2, "2"), (4, "2,4")])
 def test_the_sharded_head_equals_the_data_parallel_head(tmp_path, np_, layouts):
     """Loss, gradients, predictions and three SGD steps, to 1e-5 relative, one and two groups, with and without
-    label smoothing."""
+    label smoothing; held-out scores; the trained head gathered into one file and split again."""
     program = [sys.executable, LAUNCHED / "sharded_head_check.py", tmp_path, layouts, "0,0.1"]
     proc = launch("horovodrun-gloo", np_, program)
     assert proc.returncode == 0, output_of(proc)
@@ -66,3 +70,16 @@ def test_the_sharded_head_equals_the_data_parallel_head(tmp_path, np_, layouts):
         for group in range(np_ // g):
             shards = [ranks[r][f"G={g},s=0"]["shard"] for r in Layout(np_, g).group_ranks(group)]
             assert shards == [list(shard_range(CLASSES, g, j)) for j in range(g)]
+
+
+def test_a_head_file_of_other_classes_or_none_is_refused_in_one_line(tmp_path):
+    import numpy as np
+
+    from hvd_train.training import head_files
+
+    np.save(head_files.path_of(str(tmp_path), "kernel"), np.zeros((4, 10), np.float32))
+    assert head_files.read_columns(str(tmp_path), "kernel", 3, 4, 10).shape == (4, 4)
+    for name, classes, message in (("kernel", 12, "holds a head of 10 classes, this run has 12"), ("bias", 10, "")):
+        with pytest.raises(UserError) as refused:
+            head_files.read_columns(str(tmp_path), name, 0, 5, classes)
+        assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -80,15 +80,8 @@ def head_step(
     group, parallel = groups.group, groups.parallel
     batch = tf.shape(features)[0]
     count = tf.shape(kernel)[1]
-    rows = hvd.allgather(features, process_set=group)
-    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=group)
     all_weights = hvd.allgather(tf.cast(weights, tf.float32), process_set=group)
-    rows = tf.cast(rows, tf.float32)
-    logits = tf.matmul(rows, kernel) + bias
-
-    local = all_labels - first
-    mine = (local >= 0) & (local < count)
-    local = tf.where(mine, local, 0)
+    rows, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups)
     largest = tf.reduce_max(logits, axis=1)
     summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
     label_logit = tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0)
@@ -120,3 +113,63 @@ def head_step(
     loss = tf.reduce_sum(tf.cast(row_loss, tf.float32) * all_weights) / (batch_f * parallel)
     own = tf.range(batch) + groups.shard * batch
     return HeadStep(loss, tf.cast(d_features, features.dtype), d_kernel, d_bias, tf.gather(predicted, own))
+
+
+def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups):
+    """The group's rows (float32), the logits of this rank's classes for them, and where each row's label
+    falls in this shard (``local``, valid where ``mine``)."""
+    import horovod.tensorflow as hvd
+
+    rows = tf.cast(hvd.allgather(features, process_set=groups.group), tf.float32)
+    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=groups.group)
+    logits = tf.matmul(rows, kernel) + bias
+    local = all_labels - first
+    mine = (local >= 0) & (local < tf.shape(kernel)[1])
+    return rows, logits, tf.where(mine, local, 0), mine
+
+
+def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroups, k: int = 5):
+    """Exact held-out scores of this rank's rows over all classes: ``(loss, top-1 class, label in top k)``.
+
+    The cross-entropy comes from each shard's largest logit, sum of
+    exponentials and label logit, as in training; the top ``k`` from each
+    shard's own top ``k`` (value and class), merged. A row whose label is
+    negative (a stand-in) gets a meaningless loss and no hit: the caller
+    leaves it out. Every rank of the group must call this as often.
+    """
+    import horovod.tensorflow as hvd
+
+    group, parallel = groups.group, groups.parallel
+    batch = tf.shape(features)[0]
+    _, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups)
+    largest = tf.reduce_max(logits, axis=1)
+    stats = tf.stack(
+        [
+            largest,
+            tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1),
+            tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0),
+        ],
+        axis=1,
+    )
+    every = tf.reshape(hvd.allgather(tf.cast(stats, tf.float64), process_set=group), [parallel, -1, 3])
+    top = tf.reduce_max(every[..., 0], axis=0)
+    normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
+    loss = normalizer - tf.reduce_sum(every[..., 2], axis=0)
+
+    # Each shard's best k (fewer classes than k: padded with -inf), then the best k of those.
+    shard_k = tf.minimum(k, tf.shape(logits)[1])
+    values, indices = tf.math.top_k(logits, shard_k)
+    pad = [[0, 0], [0, k - shard_k]]
+    values = tf.pad(values, pad, constant_values=float("-inf"))
+    indices = tf.pad(indices + first, pad, constant_values=-1)
+    values = tf.reshape(hvd.allgather(values, process_set=group), [parallel, -1, k])
+    indices = tf.reshape(hvd.allgather(indices, process_set=group), [parallel, -1, k])
+    values = tf.reshape(tf.transpose(values, [1, 0, 2]), [-1, parallel * k])
+    indices = tf.reshape(tf.transpose(indices, [1, 0, 2]), [-1, parallel * k])
+    _, best = tf.math.top_k(values, k)
+    merged = tf.gather(indices, best, batch_dims=1)
+
+    own = tf.range(batch) + groups.shard * batch
+    labels = tf.cast(labels, tf.int32)
+    top_k = tf.reduce_any(tf.equal(tf.gather(merged, own), labels[:, None]), axis=1)
+    return tf.gather(loss, own), tf.gather(merged[:, 0], own), top_k

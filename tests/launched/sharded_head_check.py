@@ -29,7 +29,10 @@ ctx = start.init(threads_per_rank=1, process_sets=True)
 import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from hvd_train.model.sharded_head import head_step  # noqa: E402
+from hvd_train.model.sharded_head import head_scores, head_step  # noqa: E402
+from hvd_train.training import head_files  # noqa: E402
+
+head_files.CHUNK_BYTES = 2 * 6 * 4  # two columns of the 6-feature kernel a round: the gather takes several
 
 CLASSES, FEATURES, INPUTS, BATCH, LR = 11, 6, 5, 4, 0.5
 start_weights = np.random.default_rng(0)
@@ -66,6 +69,16 @@ def check(groups, smoothing):
         return hvd.allreduce(step.loss, op=hvd.Average), d_a, step.d_kernel, step.d_bias, step.predicted
 
     @tf.function
+    def sharded_scores(A, kernel, bias, x, y):
+        return head_scores(tf.tanh(tf.matmul(x, A)), y, kernel, bias, first=first, groups=groups, k=5)
+
+    @tf.function
+    def data_parallel_scores(A, W, b, x, y):
+        logits = tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b
+        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+        return loss, tf.argmax(logits, axis=1, output_type=tf.int32), tf.math.in_top_k(y, logits, 5)
+
+    @tf.function
     def data_parallel(A, W, b, x, y, w):
         with tf.GradientTape() as tape:
             logits = tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b
@@ -90,6 +103,14 @@ def check(groups, smoothing):
         "argmax": argmax.numpy().tolist(),
         "head_gradient_nonzero": float(np.max(np.abs(d_k))),
     }
+    # Held-out scores over all classes: the loss of each row, its best class and its top 5.
+    (loss_s, top1_s, top5_s), (loss_d, top1_d, top5_d) = (
+        sharded_scores(A, kernel, bias, x, y),
+        data_parallel_scores(A, W, b, x, y),
+    )
+    result["score_loss"] = relative(loss_s, loss_d)
+    result["top1"] = [top1_s.numpy().tolist(), top1_d.numpy().tolist()]
+    result["top5"] = [top5_s.numpy().tolist(), top5_d.numpy().tolist()]
 
     A_s, A_d = tf.Variable(A0), tf.Variable(A0)
     for step in range(1, 4):
@@ -102,6 +123,21 @@ def check(groups, smoothing):
     result["trained_kernel"] = relative(kernel, W[:, first : first + count])
     result["trained_bias"] = relative(bias, b[first : first + count])
     result["moved"] = relative(W0[:, first : first + count], kernel)
+
+    # The trained head written whole by the first group, then read back by any layout's ranges.
+    folder = os.path.join(out_dir, f"head-G{groups.parallel}-s{smoothing:g}")
+    os.makedirs(folder, exist_ok=True)
+    head_files.gather_into(folder, "kernel", kernel.numpy(), groups, CLASSES)
+    head_files.gather_into(folder, "bias", bias.numpy(), groups, CLASSES)
+    hvd.allreduce(tf.constant(0.0), name=f"written.{groups.parallel}.{smoothing:g}")  # the files are complete
+    mine = head_files.read_columns(folder, "kernel", first, count, CLASSES)
+    result["read_back"] = relative(mine, kernel) + relative(
+        head_files.read_columns(folder, "bias", first, count, CLASSES), bias
+    )
+    resplit = [shard_range(CLASSES, 3, j) for j in range(3)]  # another layout's shards
+    result["resplit"] = max(
+        relative(head_files.read_columns(folder, "kernel", f, c, CLASSES), W[:, f : f + c]) for f, c in resplit
+    )
     return result
 
 
