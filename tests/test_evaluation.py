@@ -29,12 +29,32 @@ def test_sums_match_a_direct_computation():
     expected_loss = -np.log(np.clip(probs[np.arange(n), labels], 1e-7, 1)).sum()
     assert np.isclose(result.loss_sum, expected_loss, rtol=1e-4)
     assert result.confusion.sum() == n
-    assert np.array_equal(np.diag(result.confusion).sum(), result.top1)
+    assert result.confusion.trace() == result.top1
+    assert np.array_equal(
+        result.confusion.dense(), np.histogram2d(labels, probs.argmax(1), bins=c, range=[[0, c], [0, c]])[0]
+    )
     per_class = result.per_class_accuracy()
     for k in range(c):
         mask = labels == k
         if mask.any():
             assert np.isclose(per_class[k], (probs[mask].argmax(1) == k).mean())
+
+
+def test_fifty_thousand_classes_are_scored_without_a_matrix_of_every_pair():
+    """A dense confusion matrix would be 20 GB here (50,000 squared counts): the cells images fill are kept."""
+    rng = np.random.default_rng(5)
+    n, c = 9, 50_000
+    labels = rng.integers(0, c, n).astype("int32")
+    predicted = labels.copy()
+    predicted[[2, 5]] = (labels[[2, 5]] + 7) % c  # two mistakes
+    probs = np.full((n, c), 0.1 / c, "float32")
+    probs[np.arange(n), predicted] = 0.9
+    ds = tf.data.Dataset.from_tensor_slices((probs, labels)).batch(4)
+    result = evaluate(fixed_model(c), ds, c, Context())
+    assert result.count == n and result.top1 == n - 2 and result.confusion.trace() == n - 2
+    assert sorted(result.confusion.mistakes()) == sorted((int(labels[i]), int(predicted[i]), 1) for i in (2, 5))
+    accuracy = result.per_class_accuracy()
+    assert len(accuracy) == c and accuracy[labels[2]] in (0.0, 0.5) and accuracy.count(None) == c - len(set(labels))
 
 
 def test_fewer_than_five_classes_uses_top_k_of_all():

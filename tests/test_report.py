@@ -11,6 +11,7 @@ from PIL import Image
 
 from hvd_train.errors import UserError
 from hvd_train.results import plots, report_page
+from hvd_train.results.confusion import Confusion
 from hvd_train.training.writers import Reporters
 
 
@@ -78,7 +79,7 @@ def test_confusion_grows_with_the_classes(tmp_path, n):
     rng = np.random.default_rng(n)
     matrix = rng.integers(0, 3, (n, n)) + np.eye(n, dtype=int) * 20
     names = [f"a-rather-long-class-name-number-{i:03d}" for i in range(n)]
-    plots.confusion(matrix, names, str(tmp_path / "m.png"), "held-out")
+    plots.confusion(Confusion.of_dense(matrix), names, str(tmp_path / "m.png"), "held-out")
     with Image.open(tmp_path / "m.png") as im:
         width, height = im.size
     # at 100 classes each row keeps about 20 pixels: room for its name
@@ -87,7 +88,7 @@ def test_confusion_grows_with_the_classes(tmp_path, n):
 
 def test_per_class_rows_are_worst_first_and_name_the_usual_mistake():
     matrix = np.array([[8, 2, 0], [5, 5, 0], [0, 0, 0]])
-    rows = report_page.per_class_rows(matrix, ["cat", "dog", "eel"])
+    rows = report_page.per_class_rows(Confusion.of_dense(matrix), ["cat", "dog", "eel"])
     assert [r[0] for r in rows] == ["dog", "cat", "eel"]  # 0.5, 0.8, then the class without images
     assert rows[0][1:] == [10, 5, 0.5, "cat (5)"] and rows[2][3] is None
 
@@ -135,16 +136,18 @@ def test_a_thousand_classes_give_the_most_confused_pairs_and_the_worst_classes(t
     matrix[7, 7], matrix[7, 8] = 5, 40
     matrix[3, 3], matrix[3, 900] = 20, 20
     classes = [f"n{c:08d}" for c in range(n)]
-    pairs = plots.most_confused(matrix, classes, 2)
+    confusion = Confusion.of_dense(matrix)
+    pairs = plots.most_confused(confusion, classes, 2)
     assert pairs == [(classes[7], classes[8], 40, 40 / 45), (classes[3], classes[900], 20, 0.5)]
 
     # summary.json holds only the non-zero cells, and reads back whole.
-    stored = json.loads(json.dumps(plots.confusion_to_json(matrix)))
+    stored = json.loads(json.dumps(plots.confusion_to_json(confusion)))
     assert stored["classes"] == n and len(stored["cells"]) == n + 2
-    assert np.array_equal(plots.confusion_from_json(stored), matrix)
-    assert plots.confusion_to_json(matrix[:3, :3]) == matrix[:3, :3].tolist()  # few classes: rows, as before
+    assert np.array_equal(plots.confusion_from_json(stored).dense(), matrix)
+    few = Confusion.of_dense(matrix[:3, :3])
+    assert plots.confusion_to_json(few) == matrix[:3, :3].tolist()  # few classes: rows, as before
 
-    plots.confusion(matrix, classes, str(tmp_path / "confusion.png"), "held-out")
+    plots.confusion(confusion, classes, str(tmp_path / "confusion.png"), "held-out")
     with Image.open(tmp_path / "confusion.png") as im:
         assert max(im.size) < 2000, "a summary picture, not a million cells"
 

@@ -8,6 +8,8 @@ import os
 from hvd_train import files
 from hvd_train.commands._common import add_trained_model_arguments
 
+SHOWN = 25  # classes and pairs printed when there are many classes
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -107,11 +109,21 @@ def _report(args, ctx, trained, images, result, s3) -> None:
     print(f"accuracy  {result.accuracy:.4f}")
     print(f"top-{result.k}     {result.top5:.4f}")
     print(f"loss      {result.loss:.4f}")
-    for name, acc in zip(trained.classes, per_class):
+    many = len(trained.classes) > plots.MANY_CLASSES
+    shown = list(zip(trained.classes, per_class))
+    if many:  # the worst; every class is in the report
+        shown = sorted((s for s in shown if s[1] is not None), key=lambda s: s[1])[:SHOWN]
+        print(f"the {len(shown)} classes of lowest accuracy (all {len(trained.classes)} in {path}):")
+    for name, acc in shown:
         print(f"  {name:<{width}}  {'-' if acc is None else f'{acc:.4f}'}")
-    print("confusion matrix (rows: true class, columns: predicted)")
-    for name, row in zip(trained.classes, result.confusion.tolist()):
-        print(f"  {name:<{width}}  " + " ".join(f"{n:5d}" for n in row))
+    if many:
+        print(f"the {SHOWN} most confused pairs (true class -> predicted: images, share of the true class)")
+        for true, taken, n, share in plots.most_confused(result.confusion, trained.classes, SHOWN):
+            print(f"  {true} -> {taken}: {n}, {share:.3f}")
+    else:
+        print("confusion matrix (rows: true class, columns: predicted)")
+        for name, row in zip(trained.classes, result.confusion.dense().tolist()):
+            print(f"  {name:<{width}}  " + " ".join(f"{n:5d}" for n in row))
     picture = os.path.join(os.path.dirname(os.path.abspath(path)), plots.CONFUSION)
     drawn = plots.draw(
         picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}")

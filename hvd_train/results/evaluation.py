@@ -1,10 +1,12 @@
 """Exact evaluation: every held-out image counted once, across all ranks.
 
 Each rank scores its own share of the images (see ``data.pipeline.eval_dataset``:
-no padding, no sampling) and keeps sums: images, loss, top-1 and top-k hits
-and a confusion matrix. One allreduce adds the sums of all ranks. There is
-no collective inside the loop, so ranks with one batch more than others do
-not wait for each other.
+no padding, no sampling) and keeps sums: images, loss, top-1 and top-k hits,
+and each image's true and predicted class. One allreduce adds the sums of
+all ranks, and one allgather joins the confusion's non-zero cells
+(``confusion.Confusion``: no classes x classes matrix, which would be 80 GB
+at 100,000 classes). There is no collective inside the loop, so ranks with
+one batch more than others do not wait for each other.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from hvd_train.compat import tf
 from hvd_train.distributed.context import Context
+from hvd_train.results.confusion import Confusion
 
 TOP_K = 5
 
@@ -30,7 +33,7 @@ class EvalResult:
         top1: images whose top class is right.
         topk: images whose right class is among the ``k`` most probable.
         k: the ``k`` of ``topk``: 5, or the number of classes when fewer.
-        confusion: ``confusion[true, predicted]`` image counts.
+        confusion: image counts by true and predicted class.
         skipped: indices (into the held-out images) of images that could not
             be decoded and were not scored.
         seconds: how long this rank took to score its share.
@@ -41,7 +44,7 @@ class EvalResult:
     top1: int
     topk: int
     k: int
-    confusion: np.ndarray
+    confusion: Confusion
     skipped: tuple[int, ...] = ()
     seconds: float = 0.0
 
@@ -59,8 +62,8 @@ class EvalResult:
 
     def per_class_accuracy(self) -> list[float | None]:
         """Accuracy of each true class; None for a class with no images."""
-        totals = self.confusion.sum(axis=1)
-        return [float(self.confusion[c, c] / t) if t else None for c, t in enumerate(totals)]
+        totals, right = self.confusion.totals(), self.confusion.right()
+        return [float(r / t) if t else None for r, t in zip(right, totals)]
 
 
 def _make_step(model, num_classes: int, k: int):
@@ -75,12 +78,11 @@ def _make_step(model, num_classes: int, k: int):
         loss = tf.keras.losses.sparse_categorical_crossentropy(labels, probs)
         predicted = tf.argmax(probs, axis=1, output_type=tf.int32)
         hits_k = tf.math.in_top_k(labels, probs, k)
-        confusion = tf.math.confusion_matrix(labels, predicted, num_classes=num_classes, weights=weight, dtype=tf.int64)
         return (
             tf.reduce_sum(tf.where(scored, tf.cast(loss, tf.float64), 0.0)),
             tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64) * weight),
             tf.reduce_sum(tf.cast(hits_k, tf.int64) * weight),
-            confusion,
+            predicted,
         )
 
     return step
@@ -110,10 +112,10 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
         step.get_concrete_function(*dataset.element_spec)
     count, loss_sum, top1, topk = 0, 0.0, 0, 0
     skipped: list[int] = []
-    confusion = np.zeros((num_classes, num_classes), np.int64)
+    true, predicted = [], []
     started = time.perf_counter()
     for images, labels in dataset:
-        batch_loss, batch_top1, batch_topk, batch_conf = step(images, labels)
+        batch_loss, batch_top1, batch_topk, batch_predicted = step(images, labels)
         values = labels.numpy()
         stand_ins = values[values < 0]
         skipped.extend((-1 - stand_ins).tolist())
@@ -121,19 +123,24 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
         loss_sum += float(batch_loss)
         top1 += int(batch_top1)
         topk += int(batch_topk)
-        confusion += batch_conf.numpy()
-    local = np.concatenate([[count, loss_sum, top1, topk, len(skipped)], confusion.ravel()]).astype(np.float64)
+        true.append(values[values >= 0])
+        predicted.append(batch_predicted.numpy()[values >= 0])
+    local = np.array([count, loss_sum, top1, topk, len(skipped)], np.float64)
     # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
     total = ctx.allreduce_sum(local, name=name)
     if total[4] > 0:  # every rank sees the same sum, so all take part in the gather or none
         skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
+    mine = Confusion(num_classes, np.concatenate([[], *true]), np.concatenate([[], *predicted]))
+    confusion = Confusion(num_classes)
+    for part in ctx.allgather_object((mine.true, mine.predicted, mine.counts), name=f"{name}.confusion"):
+        confusion += Confusion(num_classes, *part)
     return EvalResult(
         count=int(round(total[0])),
         loss_sum=float(total[1]),
         top1=int(round(total[2])),
         topk=int(round(total[3])),
         k=k,
-        confusion=np.rint(total[5:]).astype(np.int64).reshape(num_classes, num_classes),
+        confusion=confusion,
         skipped=tuple(skipped),
         seconds=time.perf_counter() - started,
     )

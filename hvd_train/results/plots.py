@@ -17,6 +17,7 @@ import numpy as np
 
 from hvd_train import files
 from hvd_train.log import get_logger
+from hvd_train.results.confusion import Confusion
 
 log = get_logger("plots")
 
@@ -121,45 +122,32 @@ MANY_CLASSES = 100
 """Above this many classes a confusion matrix is no picture: the most confused pairs and worst classes are."""
 
 
-def confusion_to_json(confusion: np.ndarray):
-    """The matrix as JSON: rows of counts, or above ``MANY_CLASSES`` classes only its non-zero cells.
+def confusion_to_json(confusion: Confusion):
+    """The confusion as JSON: rows of counts, or above ``MANY_CLASSES`` classes only its non-zero cells.
 
     A dense 1,000-class matrix is a million numbers (megabytes of JSON) for
     at most as many non-zero cells as held-out images.
     """
-    confusion = np.asarray(confusion, dtype=np.int64)
-    if confusion.shape[0] <= MANY_CLASSES:
-        return confusion.tolist()
-    t, p = np.nonzero(confusion)
-    return {"classes": int(confusion.shape[0]), "cells": np.stack([t, p, confusion[t, p]], axis=1).tolist()}
+    if confusion.classes <= MANY_CLASSES:
+        return confusion.dense().tolist()
+    return {"classes": confusion.classes, "cells": confusion.cells()}
 
 
-def confusion_from_json(value) -> np.ndarray:
-    """The matrix ``confusion_to_json`` wrote (either form)."""
+def confusion_from_json(value) -> Confusion:
+    """The confusion ``confusion_to_json`` wrote (either form)."""
     if isinstance(value, dict):
-        n = int(value["classes"])
-        matrix = np.zeros((n, n), np.int64)
-        for t, p, count in value["cells"]:
-            matrix[t, p] = count
-        return matrix
-    return np.asarray(value, dtype=np.int64)
+        cells = np.asarray(value["cells"], np.int64).reshape(-1, 3)
+        return Confusion(int(value["classes"]), cells[:, 0], cells[:, 1], cells[:, 2])
+    return Confusion.of_dense(value)
 
 
-def most_confused(matrix: np.ndarray, classes: Sequence[str], top: int = 25) -> list[tuple[str, str, int, float]]:
+def most_confused(confusion: Confusion, classes: Sequence[str], top: int = 25) -> list[tuple[str, str, int, float]]:
     """The ``top`` largest off-diagonal cells: ``(true class, predicted class, images, share of the true class)``."""
-    matrix = np.asarray(matrix, dtype=np.int64)
-    off = matrix.copy()
-    np.fill_diagonal(off, 0)
-    flat = np.argsort(off, axis=None, kind="stable")[::-1][:top]
-    totals = matrix.sum(axis=1)
-    pairs = []
-    for t, p in zip(*np.unravel_index(flat, off.shape)):
-        if off[t, p] > 0:
-            pairs.append((classes[t], classes[p], int(off[t, p]), float(off[t, p] / totals[t])))
-    return pairs
+    totals = confusion.totals()
+    return [(classes[t], classes[p], n, float(n / totals[t])) for t, p, n in confusion.mistakes(top)]
 
 
-def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str = "") -> None:
+def confusion(matrix: Confusion, classes: Sequence[str], path: str, title: str = "") -> None:
     """``confusion.png``: rows are true classes, columns predictions, colour the share of each row.
 
     Readable from 2 to ``MANY_CLASSES`` classes: the figure grows with the
@@ -168,11 +156,11 @@ def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str 
     cells of a few pixels each, so the picture shows the most confused
     pairs and the classes with the lowest accuracy instead.
     """
-    matrix = np.asarray(matrix, dtype=np.int64)
     n = len(classes)
     if n > MANY_CLASSES:
         _confusion_of_many(matrix, classes, path, title)
         return
+    matrix = matrix.dense()
     totals = matrix.sum(axis=1, keepdims=True)
     share = np.divide(matrix, totals, out=np.zeros(matrix.shape, dtype=float), where=totals > 0)
     cell = 0.42 if n <= 20 else 0.2  # inches per class
@@ -209,11 +197,11 @@ def confusion(matrix: np.ndarray, classes: Sequence[str], path: str, title: str 
     save(fig, path, dpi=100)
 
 
-def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, title: str, top: int = 25) -> None:
+def _confusion_of_many(matrix: Confusion, classes: Sequence[str], path: str, title: str, top: int = 25) -> None:
     names = [c if len(c) <= 28 else c[:27] + "…" for c in classes]
     pairs = most_confused(matrix, names, top)
-    totals = matrix.sum(axis=1)
-    accuracy = np.divide(np.diag(matrix), totals, out=np.ones(len(classes)), where=totals > 0)
+    totals, hits = matrix.totals(), matrix.right()
+    accuracy = np.divide(hits, totals, out=np.ones(len(classes)), where=totals > 0)
     worst = [c for c in np.argsort(accuracy, kind="stable") if totals[c] > 0][:top]
     fig = figure(14, 0.3 * top + 2)
     left, right = fig.subplots(1, 2)
@@ -232,8 +220,8 @@ def _confusion_of_many(matrix: np.ndarray, classes: Sequence[str], path: str, ti
     right.set_xlabel("accuracy")
     right.set_title(f"the {len(worst)} classes with the lowest accuracy")
     for i, c in enumerate(worst):
-        right.text(accuracy[c], i, f" {int(matrix[c, c])}/{int(totals[c])}", va="center", fontsize=7)
-    correct, count = int(np.trace(matrix)), int(matrix.sum())
+        right.text(accuracy[c], i, f" {int(hits[c])}/{int(totals[c])}", va="center", fontsize=7)
+    correct, count = matrix.trace(), matrix.sum()
     fig.suptitle(
         f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%}), "
         f"{len(classes)} classes"

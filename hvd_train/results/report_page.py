@@ -17,13 +17,13 @@ import io
 import json
 import os
 
-import numpy as np
 import yaml
 
 from hvd_train import __version__
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 from hvd_train.results import plots
+from hvd_train.results.confusion import Confusion
 
 REPORT = "report.html"
 
@@ -120,16 +120,14 @@ def table(header: list[str], rows: list[list], text: tuple[int, ...] = (0,), cla
     return "".join(out)
 
 
-def per_class_rows(matrix: np.ndarray, classes: list[str]) -> list[list]:
+def per_class_rows(matrix: Confusion, classes: list[str]) -> list[list]:
     """Per class: name, images, right, accuracy, the class it is most often taken for; worst first."""
+    totals, right, taken = matrix.totals(), matrix.right(), matrix.most_taken_for()
     rows = []
     for c, name in enumerate(classes):
-        total = int(matrix[c].sum())
-        right = int(matrix[c, c])
-        wrong = matrix[c].copy()
-        wrong[c] = 0
-        confused = f"{classes[int(wrong.argmax())]} ({int(wrong.max())})" if wrong.max() > 0 else ""
-        rows.append([name, total, right, right / total if total else None, confused])
+        total, hits = int(totals[c]), int(right[c])
+        confused = f"{classes[taken[c][0]]} ({taken[c][1]})" if c in taken else ""
+        rows.append([name, total, hits, hits / total if total else None, confused])
     # Worst first; classes without held-out images last.
     return sorted(rows, key=lambda r: (r[3] is None, r[3] if r[3] is not None else 0, r[0]))
 
