@@ -8,7 +8,7 @@ import pytest
 from hvd_train.distributed.groups import Layout, check, shard_range
 from hvd_train.errors import UserError
 
-from conftest import launch, output_of, read_json
+from conftest import HVD_TRAIN, TINY, cli, launch, output_of, read_json, write_images
 
 LAUNCHED = Path(__file__).parent / "launched"
 CLASSES = 11  # as in the launched check: shards of 5 and 6, or 2, 3, 3 and 3
@@ -44,7 +44,16 @@ def test_a_head_that_cannot_be_split_so_is_refused_in_one_line(parallel, size, c
 
 def exact(results: dict, rank: int) -> None:
     for key, r in results.items():
-        for name in ("loss", "backbone", "kernel", "bias", "trained_backbone", "trained_kernel", "trained_bias"):
+        for name in (
+            "loss",
+            "backbone",
+            "kernel",
+            "bias",
+            "trained_backbone",
+            "trained_kernel",
+            "trained_bias",
+            "scaled",
+        ):
             assert r[name] <= 1e-5, (rank, key, name, r[name])
         assert r["predicted"] == r["argmax"], (rank, key)
         assert r["head_gradient_nonzero"] > 1e-3 and r["moved"] > 1e-3, (rank, key)  # something was compared
@@ -83,3 +92,96 @@ def test_a_head_file_of_other_classes_or_none_is_refused_in_one_line(tmp_path):
         with pytest.raises(UserError) as refused:
             head_files.read_columns(str(tmp_path), name, 0, 5, classes)
         assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def evaluated(out, data, tmp_path, name):
+    """The saved model scored by ``evaluate`` as an ordinary model, one process."""
+    report = tmp_path / f"{name}.json"
+    proc = cli(["evaluate", "--model-dir", out, "--data", data, "--report", report])
+    assert proc.returncode == 0, output_of(proc)
+    return read_json(report)
+
+
+@pytest.mark.multiprocess
+def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_one_ordinary_model(
+    demo_small, tmp_path
+):
+    """Two ranks, one group (G = 2: classes 0-1 and 2-4); the checkpoint scored again by four ranks in one group,
+    then trained on by four ranks in two groups.
+
+    The held-out images are the training images: ``evaluate`` of the saved model, an ordinary Keras model
+    in one process, then scores exactly what the split head scored in training."""
+    import numpy as np
+
+    from hvd_train.compat import keras
+
+    out = tmp_path / "run"
+    train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-data", demo_small, "--output", out, *TINY]
+    proc = launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2"])
+    assert proc.returncode == 0, output_of(proc)
+    assert "split over groups of 2 workers (1 group(s))" in proc.stderr, output_of(proc)
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 2 and summary["val_images"] == 115
+    assert summary["weights_identical_across_ranks"] is True  # the backbone: the head is split
+    saved = keras.models.load_model(out / "model.keras", compile=False)
+    assert saved.get_layer("predictions").units == 5  # one ordinary model, every class
+    checkpoint = out / "checkpoints" / "epoch-0001"
+    np.testing.assert_array_equal(
+        saved.get_layer("predictions").kernel.numpy(), np.load(checkpoint / "head.kernel.npy")
+    )
+    assert sorted(p.name for p in checkpoint.glob("head.*.npy"))[:2] == ["head.bias.npy", "head.kernel.npy"]
+    report = evaluated(out, demo_small, tmp_path, "first")
+    assert report["images"] == 115 and report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
+    assert report["top5"] == pytest.approx(summary["val_top5"], abs=1e-9)
+
+    # Four ranks in one group: the head split four ways from the checkpoint, scored again, the same.
+    proc = launch("horovodrun-gloo", 4, [*train, "--head-parallel", "-1"])
+    assert proc.returncode == 0 and "all 1 epochs are done already" in proc.stderr, output_of(proc)
+    again = read_json(out / "summary.json")
+    assert again["world_size"] == 4 and again["val_accuracy"] == summary["val_accuracy"]
+    assert again["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-6)
+
+    # Four ranks in two groups of 2 train on.
+    proc = launch("horovodrun-gloo", 4, [*train, "--head-parallel", "2", "--epochs", "2"])
+    assert proc.returncode == 0, output_of(proc)
+    assert "split over groups of 2 workers (2 group(s))" in proc.stderr and "resuming from" in proc.stderr
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 4 and summary["resumed_from"].endswith("epoch-0001")
+    report = evaluated(out, demo_small, tmp_path, "second")
+    assert report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
+    assert report["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
+
+
+def test_the_starting_head_is_the_same_whatever_the_split():
+    import numpy as np
+
+    from hvd_train.model.sharded_net import HEAD_BLOCK, initial_columns
+
+    classes, features = 2 * HEAD_BLOCK + 37, 6
+    whole = initial_columns(features, classes, 0, classes, seed=3)
+    for parallel in (2, 3, 7):
+        parts = [
+            initial_columns(features, classes, *shard_range(classes, parallel, j), seed=3) for j in range(parallel)
+        ]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
+    limit = np.sqrt(6 / (features + classes))  # Glorot-uniform over the whole head, as Keras's Dense starts
+    assert whole.shape == (features, classes) and np.abs(whole).max() <= limit and np.abs(whole).max() > 0.9 * limit
+    assert not np.array_equal(whole, initial_columns(features, classes, 0, classes, seed=4))
+
+
+@pytest.mark.multiprocess
+def test_a_split_head_under_mixed_float16_scales_the_loss_across_its_shards_and_saves_a_float32_model(tmp_path):
+    """The features' gradients are those of the scaled loss; a step the scale skips skips the head too."""
+    from hvd_train.compat import keras
+
+    data = write_images(tmp_path / "few", {"a": 10, "b": 10, "c": 10})
+    out = tmp_path / "run"
+    train = [*HVD_TRAIN, "train", "--data", data, "--val-data", data, "--output", out, *TINY, "--batch-size", "4"]
+    proc = launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2", "--precision", "mixed_float16"])
+    assert proc.returncode == 0, output_of(proc)
+    summary = read_json(out / "summary.json")
+    assert summary["precision"] == "mixed_float16" and summary["weights_identical_across_ranks"] is True
+    saved = keras.models.load_model(out / "model.keras", compile=False)
+    assert {layer.dtype_policy.name for layer in saved.layers} == {"float32"}
+    report = evaluated(out, data, tmp_path, "mixed")
+    assert report["images"] == 30 and report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)

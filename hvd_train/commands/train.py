@@ -68,7 +68,9 @@ def _start(args: argparse.Namespace):
         start.check_launch(elastic=cfg.horovod.elastic)
     except UserError as e:
         raise UserError(str(e), agreed=True) from None
-    ctx = start.init(cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic)
+    ctx = start.init(
+        cfg.horovod.threads_per_rank, deterministic=cfg.run.deterministic, process_sets=bool(cfg.horovod.head_parallel)
+    )
     compute.use_xla(cfg.compute.xla)
     start.warn_ineffective(cfg.horovod, ctx)
     if cfg.run.log_all_ranks:

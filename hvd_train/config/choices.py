@@ -286,6 +286,9 @@ class HorovodConfig:
             ``OUTPUT/horovod_timeline.json`` (chrome://tracing, Perfetto).
         hierarchical_allreduce: allreduce within hosts first, then across
             (NCCL and MPI builds, several hosts).
+        head_parallel: split the classification head by class over groups
+            of this many workers, data-parallel across groups (0: no; -1:
+            one group of every worker). See ``model/sharded_head.py``.
     """
 
     fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
@@ -307,6 +310,9 @@ class HorovodConfig:
         aliases=("--horovod-timeline",),
     )
     hierarchical_allreduce: bool = _opt(False, "--hierarchical-allreduce", "allreduce within hosts, then across")
+    head_parallel: int = _opt(
+        0, "--head-parallel", "split the head by class over groups of G workers (0: no; -1: all workers in one group)"
+    )
 
     def environment(self, output: str) -> dict[str, str]:
         """The Horovod variables these options set; read by ``hvd.init()``."""

@@ -24,6 +24,7 @@ what it can and leaves the rest (Horovod's ops among it) to TensorFlow;
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from hvd_train.compat import keras
@@ -82,18 +83,25 @@ def loss_scale_variables(optimizer) -> list:
     return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter]
 
 
+@contextlib.contextmanager
+def float32_policy():
+    """Inside: layers are built in float32, whatever the run's precision."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("float32")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
 def float32_copy(model: keras.Model, build) -> keras.Model:
     """``model``'s architecture rebuilt with float32 layers, holding its weights.
 
     Args:
         build: makes the architecture (called with the float32 policy in place).
     """
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy("float32")
-    try:
+    with float32_policy():
         copy = build()
-    finally:
-        keras.mixed_precision.set_global_policy(previous)
     copy.set_weights(model.get_weights())
     return copy
 

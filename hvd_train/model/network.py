@@ -279,13 +279,13 @@ class Net:
         # while they run; every rank gets the same sums.
         agreed = context.allreduce_sum_op(flags, name="boundary_flags")
         seen, first, per_step, pending, total = tf.unstack(progress)
-        rate = self.optimizer.learning_rate
 
         def one_step(i):
             # The images seen before this step, as ``TrainState.advance`` counts them.
             done = tf.cast(i, tf.float64) + first
             images = seen + tf.minimum(done * per_step, pending) - tf.minimum(first * per_step, pending)
-            rate.assign(tf.cast(graph_rate(self._decay, rates, images / tf.maximum(total, 1.0)), rate.dtype))
+            for rate in self._rates():
+                rate.assign(tf.cast(graph_rate(self._decay, rates, images / tf.maximum(total, 1.0)), rate.dtype))
             if self._ema:
                 updates = tf.cast(self.optimizer.iterations, tf.float32)
                 self._ema_decay.assign(tf.minimum(self._ema, (1.0 + updates) / (10.0 + updates)))
@@ -336,9 +336,17 @@ class Net:
         if self._mixer is not None:
             # From (seed, rank, images seen): the same mixing after a resume, another on each rank.
             images, targets, weights, labels = self._mixer.mix(images, labels, weights, tf.stack([key, seen]))
-        self.model.train_step((images, labels, weights), targets)
+        self._update(images, labels, weights, targets)
         for average, statistic in zip(self._statistic_averages, self.batchnorm_statistics()):
             average.assign(self._ema_decay * average + (1.0 - self._ema_decay) * statistic)
+
+    def _update(self, images, labels, weights, targets) -> None:
+        """The forward and backward pass and the update (``ShardedNet``: with its head split)."""
+        self.model.train_step((images, labels, weights), targets)
+
+    def _rates(self) -> list[tf.Variable]:
+        """The learning rates each step sets from the schedule."""
+        return [self.optimizer.learning_rate]
 
     def _write_audit(self, ids) -> bool:
         self.audit(ids.numpy())
@@ -410,7 +418,14 @@ class Net:
 
 
 def make_optimizer(cfg: TrainConfig):
-    """SGD (with momentum), Adam or AdamW, wrapped by Horovod's ``DistributedOptimizer``.
+    """``keras_optimizer``, wrapped by Horovod's ``DistributedOptimizer``."""
+    return gradients.distributed_optimizer(
+        keras_optimizer(cfg), fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
+    )
+
+
+def keras_optimizer(cfg: TrainConfig):
+    """SGD (with momentum), Adam or AdamW.
 
     The learning rate is a plain variable: each compiled step sets it from
     the schedule before its update (see ``Net.run_steps``). Weight decay is
@@ -428,6 +443,4 @@ def make_optimizer(cfg: TrainConfig):
         optimizer = keras.optimizers.AdamW(learning_rate=o.base_lr, weight_decay=o.weight_decay, **ema)
     else:
         optimizer = keras.optimizers.Adam(learning_rate=o.base_lr, weight_decay=decay, **ema)
-    return gradients.distributed_optimizer(
-        optimizer, fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
-    )
+    return optimizer

@@ -64,6 +64,7 @@ def head_step(
     classes: int,
     groups: HeadGroups,
     smoothing: float = 0.0,
+    scale=1.0,
 ) -> HeadStep:
     """Loss and gradients of the softmax head split over ``groups.group``, for this rank's batch.
 
@@ -74,14 +75,16 @@ def head_step(
         kernel, bias: this rank's shard: [F, count] and [count], classes ``first ..``.
         classes: all classes of the head.
         smoothing: label smoothing (Keras's: ``1 - s`` on the label, ``s / classes`` on every class).
+        scale: the loss scale (``mixed_float16``): the features' gradients are those of the scaled loss,
+            scaled in float32 before they are cast to the features' type.
     """
     import horovod.tensorflow as hvd
 
     group, parallel = groups.group, groups.parallel
     batch = tf.shape(features)[0]
     count = tf.shape(kernel)[1]
-    all_weights = hvd.allgather(tf.cast(weights, tf.float32), process_set=group)
-    rows, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups)
+    all_weights = hvd.allgather(tf.cast(weights, tf.float32), process_set=group, name="head_step.weights")
+    rows, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_step")
     largest = tf.reduce_max(logits, axis=1)
     summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
     label_logit = tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0)
@@ -90,7 +93,7 @@ def head_step(
         [tf.cast(v, tf.float64) for v in (largest, summed, label_logit, tf.reduce_sum(logits, axis=1))] + [best],
         axis=1,
     )
-    every = tf.reshape(hvd.allgather(stats, process_set=group), [parallel, -1, 5])
+    every = tf.reshape(hvd.allgather(stats, process_set=group, name="head_step.stats"), [parallel, -1, 5])
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
     row_loss = normalizer - (1.0 - smoothing) * tf.reduce_sum(every[..., 2], axis=0)
@@ -106,22 +109,24 @@ def head_step(
     d_kernel = tf.matmul(rows, d_logits, transpose_a=True) / parallel
     d_bias = tf.reduce_sum(d_logits, axis=0) / parallel
     if groups.peers is not None:
-        d_kernel, d_bias = hvd.grouped_allreduce([d_kernel, d_bias], op=hvd.Average, process_set=groups.peers)
-    d_rows = tf.matmul(d_logits, kernel, transpose_b=True)
-    d_features = hvd.reducescatter(d_rows, op=hvd.Sum, process_set=group)
+        d_kernel, d_bias = hvd.grouped_allreduce(
+            [d_kernel, d_bias], op=hvd.Average, process_set=groups.peers, name="head_step.peers"
+        )
+    d_rows = tf.matmul(d_logits, kernel, transpose_b=True) * tf.cast(scale, tf.float32)
+    d_features = hvd.reducescatter(d_rows, op=hvd.Sum, process_set=group, name="head_step.d_features")
 
     loss = tf.reduce_sum(tf.cast(row_loss, tf.float32) * all_weights) / (batch_f * parallel)
-    own = tf.range(batch) + groups.shard * batch
+    own = tf.range(batch) + groups.shard * batch  # training batches are the same size on every rank
     return HeadStep(loss, tf.cast(d_features, features.dtype), d_kernel, d_bias, tf.gather(predicted, own))
 
 
-def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups):
+def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups, name: str):
     """The group's rows (float32), the logits of this rank's classes for them, and where each row's label
     falls in this shard (``local``, valid where ``mine``)."""
     import horovod.tensorflow as hvd
 
-    rows = tf.cast(hvd.allgather(features, process_set=groups.group), tf.float32)
-    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=groups.group)
+    rows = tf.cast(hvd.allgather(features, process_set=groups.group, name=f"{name}.features"), tf.float32)
+    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=groups.group, name=f"{name}.labels")
     logits = tf.matmul(rows, kernel) + bias
     local = all_labels - first
     mine = (local >= 0) & (local < tf.shape(kernel)[1])
@@ -135,13 +140,14 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     exponentials and label logit, as in training; the top ``k`` from each
     shard's own top ``k`` (value and class), merged. A row whose label is
     negative (a stand-in) gets a meaningless loss and no hit: the caller
-    leaves it out. Every rank of the group must call this as often.
+    leaves it out. Every rank of the group must call this as often, with
+    batches of any size (none at all included).
     """
     import horovod.tensorflow as hvd
 
     group, parallel = groups.group, groups.parallel
     batch = tf.shape(features)[0]
-    _, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups)
+    _, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_scores")
     largest = tf.reduce_max(logits, axis=1)
     stats = tf.stack(
         [
@@ -151,7 +157,9 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
         ],
         axis=1,
     )
-    every = tf.reshape(hvd.allgather(tf.cast(stats, tf.float64), process_set=group), [parallel, -1, 3])
+    every = tf.reshape(
+        hvd.allgather(tf.cast(stats, tf.float64), process_set=group, name="head_scores.stats"), [parallel, -1, 3]
+    )
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
     loss = normalizer - tf.reduce_sum(every[..., 2], axis=0)
@@ -162,14 +170,17 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     pad = [[0, 0], [0, k - shard_k]]
     values = tf.pad(values, pad, constant_values=float("-inf"))
     indices = tf.pad(indices + first, pad, constant_values=-1)
-    values = tf.reshape(hvd.allgather(values, process_set=group), [parallel, -1, k])
-    indices = tf.reshape(hvd.allgather(indices, process_set=group), [parallel, -1, k])
+    values = tf.reshape(hvd.allgather(values, process_set=group, name="head_scores.values"), [parallel, -1, k])
+    indices = tf.reshape(hvd.allgather(indices, process_set=group, name="head_scores.indices"), [parallel, -1, k])
     values = tf.reshape(tf.transpose(values, [1, 0, 2]), [-1, parallel * k])
     indices = tf.reshape(tf.transpose(indices, [1, 0, 2]), [-1, parallel * k])
     _, best = tf.math.top_k(values, k)
     merged = tf.gather(indices, best, batch_dims=1)
 
-    own = tf.range(batch) + groups.shard * batch
+    # A held-out batch may be shorter on some ranks (the last, or none): this rank's rows start after its
+    # group's lower ranks' rows.
+    sizes = hvd.allgather(tf.reshape(batch, [1]), process_set=group, name="head_scores.sizes")
+    own = tf.range(batch) + tf.reduce_sum(sizes[: groups.shard])
     labels = tf.cast(labels, tf.int32)
     top_k = tf.reduce_any(tf.equal(tf.gather(merged, own), labels[:, None]), axis=1)
     return tf.gather(loss, own), tf.gather(merged[:, 0], own), top_k

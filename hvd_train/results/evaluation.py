@@ -11,6 +11,7 @@ one batch more than others do not wait for each other.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -125,6 +126,54 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
         topk += int(batch_topk)
         true.append(values[values >= 0])
         predicted.append(batch_predicted.numpy()[values >= 0])
+    return _total(ctx, name, num_classes, k, (count, loss_sum, top1, topk), skipped, true, predicted, started)
+
+
+def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Context, name: str = "eval") -> EvalResult:
+    """``evaluate`` for a head split by class (``ShardedNet``): the same sums, each batch scored by its group.
+
+    The ranks of a group score their batches together (``head_scores``), so
+    before each batch they agree whether any of them has one left; a rank
+    whose share is done joins with an empty batch. The step is traced once
+    for batches of any size: a rank that traced it again alone, for a
+    shorter batch, hung its group in Horovod.
+    """
+    import horovod.tensorflow as hvd
+
+    k = min(TOP_K, num_classes)
+    specs = dataset.element_spec
+    step = tf.function(lambda images, labels: net.score_batch(images, labels, k), autograph=False)
+    step.get_concrete_function(*specs)
+    empty = tuple(tf.zeros([0, *s.shape[1:]], s.dtype) for s in specs)
+    count, loss_sum, top1, topk = 0, 0.0, 0, 0
+    skipped: list[int] = []
+    true, predicted = [], []
+    started = time.perf_counter()
+    batches = iter(dataset)
+    for i in itertools.count():
+        batch = next(batches, None)
+        left = hvd.allreduce(
+            tf.constant(batch is not None, tf.int32), op=hvd.Sum, process_set=net.head.group, name=f"{name}.left.{i}"
+        )
+        if not int(left):
+            break
+        images, labels = batch if batch is not None else empty
+        loss, best, hits = step(images, labels)
+        values = labels.numpy()
+        scored = values >= 0
+        skipped.extend((-1 - values[~scored]).tolist())
+        count += int(scored.sum())
+        loss_sum += float(loss.numpy()[scored].sum())
+        top1 += int((best.numpy() == values)[scored].sum())
+        topk += int(hits.numpy()[scored].sum())
+        true.append(values[scored])
+        predicted.append(best.numpy()[scored])
+    return _total(ctx, name, num_classes, k, (count, loss_sum, top1, topk), skipped, true, predicted, started)
+
+
+def _total(ctx, name, num_classes, k, sums, skipped, true, predicted, started) -> EvalResult:
+    """This rank's sums, added over every rank, with the skipped images and the confusion gathered."""
+    count, loss_sum, top1, topk = sums
     local = np.array([count, loss_sum, top1, topk, len(skipped)], np.float64)
     # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
     total = ctx.allreduce_sum(local, name=name)

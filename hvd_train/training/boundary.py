@@ -20,6 +20,7 @@ from hvd_train.config import parse_every
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
+from hvd_train.model.sharded_net import stage_head
 from hvd_train.training import checkpoints
 from hvd_train.training.job import History, Job
 from hvd_train.training.preemption import Preempted, StopRequests
@@ -168,6 +169,9 @@ class Boundary:
             "undecodable": sorted({i for _, ids in gathered for i in ids}),
         }
 
+        # --head-parallel: the head, whole, gathered by rank 0 from the first group before it writes.
+        head = stage_head(self.net, ctx, self.cfg.run.output)
+
         def write() -> str:
             return checkpoints.save(
                 self.cfg.run.output,
@@ -178,6 +182,7 @@ class Boundary:
                 {"rows": local},
                 info,
                 self.cfg.run.keep_checkpoints,
+                extra=head,
             )
 
         path = ctx.on_root(write, name="checkpoint")

@@ -116,12 +116,14 @@ def save(
     local: dict[str, np.ndarray],
     info: dict,
     keep: int,
+    extra: str | None = None,
 ) -> str:
     """Writes checkpoint ``name`` (or its next generation); keeps the newest ``keep``.
 
     Args:
         local: per-rank values, each an array with one row per rank.
         info: more to record in ``state.json`` (JSON-able).
+        extra: a folder whose files move into the checkpoint (the split head's), digested like the rest.
 
     Returns:
         The checkpoint folder.
@@ -141,6 +143,8 @@ def save(
         tf.train.Checkpoint(model=model, optimizer=optimizer).write(os.path.join(tmp, "ckpt"))
         with open(os.path.join(tmp, LOCAL_FILE), "wb") as f:
             np.savez(f, **local)
+        for file in sorted(os.listdir(extra)) if extra else ():
+            os.rename(os.path.join(extra, file), os.path.join(tmp, file))
         files = {rel: _digest(os.path.join(tmp, rel)) for rel in sorted(os.listdir(tmp))}
         body = {
             "format": FORMAT,
@@ -156,8 +160,12 @@ def save(
         # The only rename: a new name, so no complete checkpoint is ever replaced or moved.
         os.rename(tmp, final)
         _fsync_dir(root)
+        if extra:
+            shutil.rmtree(extra, ignore_errors=True)
     except (OSError, tf.errors.OpError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if extra:
+            shutil.rmtree(extra, ignore_errors=True)
         reason = _reason(e)
         full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
             os.strerror(code) in reason for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

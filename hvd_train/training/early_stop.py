@@ -71,7 +71,7 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
     if not run.early_stop or state.best_epoch < 0 or state.best_epoch == state.epoch - 1:
         return None
 
-    def load() -> tuple[int, object] | None:
+    def load() -> tuple[int, object, str] | None:
         found = checkpoints.of_epoch_end(run.output, state.best_epoch + 1)
         if found is None:
             log.warning(
@@ -91,7 +91,7 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
         )
         # The values of each rank, equal at an epoch's end (the statistics and their averages
         # are averaged over the ranks then): the first rank's row.
-        return state.best_epoch + 1, local[0]
+        return state.best_epoch + 1, local[0], found.path
 
     loaded = ctx.on_root(load, name="best_epoch")
     if loaded is None:
@@ -99,4 +99,6 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
     # Horovod: every rank takes rank 0's weights of the best epoch, and its statistics.
     gradients.broadcast_variables(net.variables, ctx)
     net.write_local(loaded[1])
+    if hasattr(net, "restore_head"):  # --head-parallel: each rank's classes of the best epoch's head
+        net.restore_head(loaded[2], ctx.is_root)
     return loaded[0]

@@ -17,7 +17,7 @@ from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
-from hvd_train.results.evaluation import EvalResult
+from hvd_train.results.evaluation import EvalResult, evaluate_sharded
 from hvd_train.results.evaluation import evaluate as score
 from hvd_train.training.job import History, Job
 
@@ -102,7 +102,10 @@ def evaluate_held_out(
     """Scores every held-out image once (all ranks take part); kept as ``history.last_eval``."""
     inputs = (held_out or HeldOut(job)).input(ctx, batch_size)
     with input_errors(ctx.rank, inputs.reader):
-        result = score(net.model, inputs.dataset, len(job.classes), ctx, name=name)
+        if hasattr(net, "score_batch"):  # --head-parallel: scored by each group over all classes
+            result = evaluate_sharded(net, inputs.dataset, len(job.classes), ctx, name=name)
+        else:
+            result = score(net.model, inputs.dataset, len(job.classes), ctx, name=name)
     history.last_eval = result
     if result.skipped:
         _skipped(job, ctx, history, [job.val.paths[i] for i in result.skipped], "evaluation")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from hvd_train.log import get_logger
 from hvd_train.model import compute
 from hvd_train.model.catalogue import build_model
 from hvd_train.model.network import Net
+from hvd_train.model.sharded_net import stage_head
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
 from hvd_train.results.inference import CONFIG, LABELS, MODEL, model_files
@@ -95,9 +97,9 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
             "saved_epoch": best or state.epoch,
         }
 
-    def write() -> None:
+    def write(head: str | None) -> None:
         try:
-            _write_outputs(job, net, summary, final)
+            _write_outputs(job, net, summary, final, head)
         except OSError as e:
             raise UserError(
                 f"cannot write the run's outputs to {cfg.run.output} ({e.strerror or e}); free space there, "
@@ -107,7 +109,13 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     # Horovod: the other ranks wait for rank 0's writes, so that every rank of the job ends
     # together (a launcher that ends a job when its first rank ends cuts nothing short), and
     # ends with rank 0's error if there is one.
-    ctx.on_root(write, name="outputs")
+    # --head-parallel: the head, whole, gathered by rank 0 from the first group for the saved model.
+    head = stage_head(net, ctx, cfg.run.output)
+    try:
+        ctx.on_root(lambda: write(head), name="outputs")
+    finally:
+        if head is not None:
+            shutil.rmtree(head, ignore_errors=True)
     if ctx.is_root:
         if final is not None:
             log.info(
@@ -131,10 +139,21 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     return Outcome(summary, net.model)
 
 
-def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None) -> None:
-    """Rank 0: the model and what describes it, then ``summary.json`` that ties them together, then pictures."""
+def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, head: str | None = None) -> None:
+    """Rank 0: the model and what describes it, then ``summary.json`` that ties them together, then pictures.
+
+    Args:
+        head: the split head's files (``--head-parallel``): the saved model is the ordinary one, head whole.
+    """
     cfg = job.cfg
-    if job.precision == "fp32":
+
+    def build():
+        return build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+
+    if head is not None:
+        with compute.float32_policy():
+            export = net.full_model(build, head)
+    elif job.precision == "fp32":
         export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
     else:
         # The saved model computes in float32: inference never meets float16.

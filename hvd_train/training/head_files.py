@@ -1,4 +1,4 @@
-"""The sharded head on disk: each of its arrays whole, in one ``.npy`` file, whatever the layout.
+"""The split head on disk: each of its arrays whole, in one ``.npy`` file, whatever the layout.
 
 A head split by class (``--head-parallel``) is written so that any job can
 read it back: one file per array (kernel, bias, each optimizer slot), the
@@ -6,9 +6,10 @@ columns in class order, as if one rank had held the whole head. Rank 0
 writes the file memory-mapped and the ranks of its group send it their
 columns a chunk at a time (``gather_into``), so no rank ever holds the
 whole head in memory: rank 0 holds its own shard, one chunk of each rank
-and the file's pages. A job of any world size and any G reads the columns
-of its own classes (``read_columns``), memory-mapped: each rank reads
-only its part. This is the re-split on restore.
+and the file's pages. On a resume of any world size and any G, rank 0
+reads the file a chunk at a time and broadcasts it, and each rank keeps
+the columns of its own classes (``broadcast_columns``): the re-split. No
+other rank needs to see rank 0's files. ``read_columns`` reads one range.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ def read_columns(folder: str, name: str, first: int, count: int, classes: int) -
             "changed; use a new --output, or --no-resume to start over."
         )
     return np.array(whole[..., first : first + count])
+
+
+def check(folder: str, names, classes: int) -> None:
+    """Refuses a checkpoint without the head's files, or with a head of other classes (rank 0, before a restore)."""
+    for name in names:
+        if not os.path.exists(path_of(folder, name)):
+            raise UserError(
+                f"checkpoint {folder} holds no split head ({os.path.basename(path_of(folder, name))}): it was "
+                "written without --head-parallel; resume it without --head-parallel, or pass --no-resume."
+            )
+        read_columns(folder, name, 0, 0, classes)
 
 
 def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGroups, classes: int) -> None:
@@ -84,3 +96,35 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
     if out is not None:
         out.flush()
         del out
+
+
+def broadcast_columns(folder: str | None, name: str, shard: np.ndarray, first: int, classes: int) -> np.ndarray:
+    """This rank's columns of head array ``name``, read by rank 0 (``folder``; None elsewhere) and sent to all.
+
+    Every rank of the job calls this. The whole array goes by in chunks of
+    ``CHUNK_BYTES``, each broadcast from rank 0, and each rank keeps the
+    part of its classes: no rank holds more than its shard and a chunk, and
+    no other rank needs to see rank 0's files.
+
+    Args:
+        shard: an array of this rank's shape and type (the classes on the last axis).
+    """
+    import horovod.tensorflow as hvd
+
+    rows_shape, count = shard.shape[:-1], shard.shape[-1]
+    rows = int(np.prod(rows_shape)) if rows_shape else 1
+    whole = np.load(path_of(folder, name), mmap_mode="r") if folder is not None else None  # checked (``check``)
+    chunk = max(1, CHUNK_BYTES // max(1, rows * shard.itemsize))
+    out = np.empty_like(shard)
+    for k, start in enumerate(range(0, classes, chunk)):
+        end = min(classes, start + chunk)
+        part = (
+            np.ascontiguousarray(whole[..., start:end])
+            if whole is not None
+            else np.zeros((*rows_shape, end - start), shard.dtype)
+        )
+        part = hvd.broadcast(part, root_rank=0, name=f"head_restore.{name}.{k}").numpy()
+        low, high = max(start, first), min(end, first + count)
+        if low < high:
+            out[..., low - first : high - first] = part[..., low - start : high - start]
+    return out

@@ -24,14 +24,16 @@ from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
-from hvd_train.distributed import gradients, start
+from hvd_train.distributed import gradients, groups, start
 from hvd_train.distributed.context import Context
+from hvd_train.distributed.groups import HeadGroups, shard_range
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model import compute
 from hvd_train.model.catalogue import build_model, get_spec, resolve_bn
 from hvd_train.model.network import Net, use_step_seeded_dropout
-from hvd_train.training import checkpoints, lr_find
+from hvd_train.model.sharded_net import ShardedNet
+from hvd_train.training import checkpoints, head_files, lr_find
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
 from hvd_train.training.state import TrainState
@@ -148,15 +150,52 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
     use_step_seeded_dropout()
     compute.set_policy(job.precision)
 
+    head = head_groups(cfg, ctx, len(job.classes))
+    outputs = len(job.classes) if head is None else shard_range(len(job.classes), head.parallel, head.shard)[1]
+
     def build():
         # Rank 0 alone loads (maybe downloads) the weights; the others get them by
         # broadcast, so a download failure must stop every rank, not just rank 0.
         load = ctx.is_root and collective
-        return build_model(cfg.model, len(job.classes), job.image_size, load_weights=load)
+        return build_model(cfg.model, outputs, job.image_size, load_weights=load)
 
     with Ticker(log, f"building {job.spec.name}"):
         base = ctx.agree(build, name="build_model") if collective else build()
+    if head is not None:
+        return ShardedNet(
+            base, cfg, cfg.run.seed, ctx.rank, job.precision, head, len(job.classes), class_counts=job.train.counts()
+        )
     return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision, class_counts=job.train.counts())
+
+
+def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | None:
+    """``--head-parallel``: the groups that split the head, registered with Horovod; None without.
+
+    Raises:
+        UserError: on every rank alike, for a G this job or these classes cannot have.
+    """
+    parallel = cfg.horovod.head_parallel
+    if not parallel:
+        return None
+    parallel = ctx.size if parallel == -1 else parallel
+    try:
+        groups.check(parallel, ctx.size, classes)
+        if parallel == 1:
+            raise UserError(
+                f"--head-parallel 1 splits the head over one worker, which is no split: drop --head-parallel "
+                f"(this job has {ctx.size} worker(s))."
+            )
+    except UserError as e:  # every rank finds the same: rank 0 says it
+        raise UserError(str(e), agreed=True) from None
+    if ctx.is_root:
+        log.info(
+            "the head's %d classes split over groups of %d workers (%d group(s)), about %d classes a worker",
+            classes,
+            parallel,
+            ctx.size // parallel,
+            classes // parallel,
+        )
+    return groups.register(groups.Layout(ctx.size, parallel), ctx.rank)
 
 
 def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
@@ -196,6 +235,8 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
             return None
         _check_same_recipe(job, found)
         changed = _check_same_data(job, found)
+        if isinstance(net, ShardedNet):
+            head_files.check(found.path, net.head_arrays(), net.classes)
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
         return found.path, found.state.to_dict(), rows, changed, found.info
 
@@ -219,6 +260,8 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     if restored is None:
         return fresh_state(job, plan), History()
     path, values, rows, changed, info = restored
+    if isinstance(net, ShardedNet):  # each rank's classes of the head, from rank 0's checkpoint
+        net.restore_head(path, ctx.is_root)
     state = TrainState.from_dict(values)
     # Each rank takes back its own BatchNorm statistics and metric sums, or
     # their mean when the workers are not the same ones.

@@ -69,6 +69,13 @@ def check(groups, smoothing):
         return hvd.allreduce(step.loss, op=hvd.Average), d_a, step.d_kernel, step.d_bias, step.predicted
 
     @tf.function
+    def scaled_features(A, kernel, bias, x, y, w):  # under a loss scale: the features' gradients of the scaled loss
+        features = tf.tanh(tf.matmul(x, A))
+        kw = dict(first=first, classes=CLASSES, groups=groups, smoothing=smoothing)
+        plain = head_step(features, y, w, kernel, bias, **kw).d_features
+        return plain, head_step(features, y, w, kernel, bias, scale=1024.0, **kw).d_features
+
+    @tf.function
     def sharded_scores(A, kernel, bias, x, y):
         return head_scores(tf.tanh(tf.matmul(x, A)), y, kernel, bias, first=first, groups=groups, k=5)
 
@@ -91,6 +98,11 @@ def check(groups, smoothing):
     x, y, w = batch(0)
     A, W, b = tf.Variable(A0), tf.Variable(W0), tf.Variable(b0)
     kernel, bias = tf.Variable(W0[:, first : first + count]), tf.Variable(b0[first : first + count])
+    # Traced once for batches of any size, as evaluation does: a rank tracing again alone (for a batch of
+    # another size) hung its group.
+    sharded_scores.get_concrete_function(
+        A, kernel, bias, tf.TensorSpec([None, INPUTS], tf.float32), tf.TensorSpec([None], tf.int32)
+    )
     loss_s, d_a_s, d_k, d_b, predicted = sharded(A, kernel, bias, x, y, w)
     loss_d, (d_a_d, d_w, d_bias_d), argmax = data_parallel(A, W, b, x, y, w)
     result = {
@@ -103,11 +115,22 @@ def check(groups, smoothing):
         "argmax": argmax.numpy().tolist(),
         "head_gradient_nonzero": float(np.max(np.abs(d_k))),
     }
+    plain, scaled = scaled_features(A, kernel, bias, x, y, w)
+    result["scaled"] = relative(scaled, 1024.0 * plain)
     # Held-out scores over all classes: the loss of each row, its best class and its top 5.
     (loss_s, top1_s, top5_s), (loss_d, top1_d, top5_d) = (
         sharded_scores(A, kernel, bias, x, y),
         data_parallel_scores(A, W, b, x, y),
     )
+    # Held-out batches of other sizes on each rank, one of them empty (the last batches of a rank's share).
+    rows = [4, 0, 3, 1][ctx.rank % 4]
+    (loss_u, top1_u, top5_u), (loss_v, top1_v, top5_v) = (
+        sharded_scores(A, kernel, bias, x[:rows], y[:rows]),
+        data_parallel_scores(A, W, b, x[:rows], y[:rows]),
+    )
+    loss_s, loss_d = tf.concat([loss_s, loss_u], 0), tf.concat([loss_d, loss_v], 0)
+    top1_s, top1_d = tf.concat([top1_s, top1_u], 0), tf.concat([top1_d, top1_v], 0)
+    top5_s, top5_d = tf.concat([top5_s, top5_u], 0), tf.concat([top5_d, top5_v], 0)
     result["score_loss"] = relative(loss_s, loss_d)
     result["top1"] = [top1_s.numpy().tolist(), top1_d.numpy().tolist()]
     result["top5"] = [top5_s.numpy().tolist(), top5_d.numpy().tolist()]
