@@ -182,8 +182,8 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
         groups.check(parallel, ctx.size, classes)
         if parallel == 1:
             raise UserError(
-                f"--head-parallel 1 splits the head over one worker, which is no split: drop --head-parallel "
-                f"(this job has {ctx.size} worker(s))."
+                f"--head-parallel {cfg.horovod.head_parallel} splits the head over one worker, which is no split: "
+                f"drop --head-parallel (this job has {ctx.size} worker(s))."
             )
     except UserError as e:  # every rank finds the same: rank 0 says it
         raise UserError(str(e), agreed=True) from None
