@@ -107,7 +107,8 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
     demo_small, tmp_path
 ):
     """Two ranks, one group (G = 2: classes 0-1 and 2-4); the checkpoint scored again by four ranks in one group,
-    then trained on by four ranks in two groups.
+    then trained on by four ranks in two groups, then scored by one process holding the whole head, which
+    trains on; its checkpoint is split again by two ranks.
 
     The held-out images are the training images: ``evaluate`` of the saved model, an ordinary Keras model
     in one process, then scores exactly what the split head scored in training."""
@@ -150,6 +151,25 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
     report = evaluated(out, demo_small, tmp_path, "second")
     assert report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
     assert report["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
+
+    # One process, the head whole again: the split checkpoint, scored by an ordinary model, the same.
+    proc = cli([*train[3:], "--epochs", "2"])
+    assert proc.returncode == 0 and "all 2 epochs are done already" in proc.stderr, output_of(proc)
+    whole = read_json(out / "summary.json")
+    assert whole["world_size"] == 1 and whole["val_accuracy"] == summary["val_accuracy"]
+    assert whole["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
+
+    # The other way: one process trains an epoch on (an unsplit checkpoint), two ranks split its head again.
+    proc = cli([*train[3:], "--epochs", "3"])
+    assert proc.returncode == 0, output_of(proc)
+    assert not list((out / "checkpoints" / "epoch-0003").glob("head.*.npy"))
+    whole = read_json(out / "summary.json")
+    proc = launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2", "--epochs", "3"])
+    assert proc.returncode == 0 and "all 3 epochs are done already" in proc.stderr, output_of(proc)
+    split = read_json(out / "summary.json")
+    assert split["world_size"] == 2 and split["val_accuracy"] == whole["val_accuracy"]
+    assert split["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-4)
+    assert not list((out / "checkpoints").glob(".head-*")), "the staging folders are gone"
 
 
 def test_the_starting_head_is_the_same_whatever_the_split():

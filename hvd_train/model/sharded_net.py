@@ -7,7 +7,9 @@ optimizer, is the same whatever the layout. The head is this rank's shard
 of their own (plain Keras: their gradients come averaged from
 ``head_step``), initialised from ``(seed, block of classes)`` so that every
 layout starts from the same head. Checkpoints hold it whole
-(``training/head_files``), so a run resumes on any world size and any G.
+(``training/head_files``), so a run resumes on any world size and any G;
+an unsplit run reads it whole, and a split run takes an unsplit run's
+head from its checkpoint (``whole_head_files``).
 """
 
 from __future__ import annotations
@@ -128,11 +130,7 @@ class ShardedNet(Net):
 
     def head_arrays(self) -> dict[str, tf.Variable]:
         """The head's variables by file name: kernel, bias, then the optimizer's values for each."""
-        arrays = {"kernel": self.kernel, "bias": self.bias}
-        for variable in self.head_optimizer.variables:
-            if variable.shape in (self.kernel.shape, self.bias.shape) and variable.shape.rank:
-                arrays["slot-" + variable.name.split(":")[0].replace("/", "-")] = variable
-        return arrays
+        return head_arrays(self.kernel, self.bias, self.head_optimizer)
 
     def gather_head(self, folder: str | None) -> None:
         """Writes the whole head's arrays to ``folder`` (rank 0); every rank of the first group takes part."""
@@ -166,6 +164,22 @@ class ShardedNet(Net):
         return head_scores(features, labels, self.kernel, self.bias, first=self.first, groups=self.head, k=k)
 
 
+def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:
+    """The head's variables by file name (``head_files``): kernel, bias, then ``optimizer``'s values for each
+    (``slot-m-predictions-kernel``: the same names for the split head's optimizer and a whole model's)."""
+    arrays = {"kernel": kernel, "bias": bias}
+    for variable in optimizer.variables:
+        name = variable.name.split(":")[0]
+        if name.endswith((f"/{HEAD_LAYER}/kernel", f"/{HEAD_LAYER}/bias")):
+            arrays["slot-" + name.replace("/", "-")] = variable
+    return arrays
+
+
+def features_view(model) -> keras.Model:
+    """``model`` up to its head's input: what a split run's checkpoint holds of it."""
+    return keras.Model(model.inputs, model.get_layer(HEAD_LAYER).input, name=model.name)
+
+
 def staging(output: str) -> str:
     """Where rank 0 collects the head before it moves into a checkpoint or the saved model."""
     return os.path.join(output, "checkpoints", f".head-{os.getpid()}")
@@ -180,3 +194,23 @@ def stage_head(net, ctx, output: str) -> str | None:
         os.makedirs(folder, exist_ok=True)
     net.gather_head(folder)
     return folder
+
+
+def whole_head_files(cfg: TrainConfig, classes: int, image_size: int, precision: str, ckpt: str, folder: str) -> None:
+    """Writes the head of an unsplit run's checkpoint ``ckpt`` to ``folder`` as ``head_files`` (rank 0).
+
+    The whole model and its optimizer are built once and restored, as the
+    run that wrote them held them: a head that run could hold fits here.
+    """
+    from hvd_train.model.catalogue import build_model
+    from hvd_train.model.compute import wrap_optimizer
+    from hvd_train.model.network import make_optimizer
+
+    full = build_model(cfg.model, classes, image_size, load_weights=False)
+    optimizer = wrap_optimizer(make_optimizer(cfg), precision)
+    optimizer.build(full.trainable_variables)
+    tf.train.Checkpoint(model=full, optimizer=optimizer).read(ckpt).assert_existing_objects_matched().expect_partial()
+    layer = full.get_layer(HEAD_LAYER)
+    os.makedirs(folder, exist_ok=True)
+    for name, variable in head_arrays(layer.kernel, layer.bias, optimizer).items():
+        np.save(head_files.path_of(folder, name), variable.numpy())

@@ -333,8 +333,11 @@ def remove_all(output: str) -> int:
     return len(paths)
 
 
-def restore(found: Found, model, optimizer) -> dict[str, np.ndarray]:
+def restore(found: Found, model, optimizer, partial: bool = False) -> dict[str, np.ndarray]:
     """Loads a verified checkpoint into ``model`` and ``optimizer`` (whose variables must exist).
+
+    ``partial``: the optimizer may hold values the checkpoint has elsewhere (a split head's slots, in
+    ``head.*.npy``); something must still match.
 
     Returns:
         The per-rank values (``local.npz``).
@@ -345,7 +348,10 @@ def restore(found: Found, model, optimizer) -> dict[str, np.ndarray]:
     path = found.path
     try:
         status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(os.path.join(path, "ckpt"))
-        status.assert_existing_objects_matched()
+        if partial:
+            status.assert_nontrivial_match().expect_partial()
+        else:
+            status.assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         reason = str(e).strip().splitlines()[0][:200]
         raise UserError(

@@ -48,13 +48,18 @@ def read_columns(folder: str, name: str, first: int, count: int, classes: int) -
     return np.array(whole[..., first : first + count])
 
 
+def has_head(folder: str) -> bool:
+    """Whether checkpoint ``folder`` was written by a split run (its head in files)."""
+    return os.path.exists(path_of(folder, "kernel"))
+
+
 def check(folder: str, names, classes: int) -> None:
     """Refuses a checkpoint without the head's files, or with a head of other classes (rank 0, before a restore)."""
     for name in names:
         if not os.path.exists(path_of(folder, name)):
             raise UserError(
-                f"checkpoint {folder} holds no split head ({os.path.basename(path_of(folder, name))}): it was "
-                "written without --head-parallel; resume it without --head-parallel, or pass --no-resume."
+                f"checkpoint {folder} holds no {os.path.basename(path_of(folder, name))}: it was written with "
+                "another --optimizer, or is incomplete; resume with the run's options, or pass --no-resume."
             )
         read_columns(folder, name, 0, 0, classes)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import time
 
@@ -24,18 +25,19 @@ from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
-from hvd_train.distributed import gradients, groups, start
+from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
-from hvd_train.distributed.groups import HeadGroups, shard_range
+from hvd_train.distributed.groups import shard_range
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model import compute
-from hvd_train.model.catalogue import build_model, get_spec, resolve_bn
+from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve_bn
 from hvd_train.model.network import Net, use_step_seeded_dropout
-from hvd_train.model.sharded_net import ShardedNet
+from hvd_train.model.sharded_net import ShardedNet, features_view, head_arrays
 from hvd_train.training import checkpoints, head_files, lr_find
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
+from hvd_train.training.split_head import head_groups, unsplit_head
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
@@ -168,36 +170,6 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
     return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision, class_counts=job.train.counts())
 
 
-def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | None:
-    """``--head-parallel``: the groups that split the head, registered with Horovod; None without.
-
-    Raises:
-        UserError: on every rank alike, for a G this job or these classes cannot have.
-    """
-    parallel = cfg.horovod.head_parallel
-    if not parallel:
-        return None
-    parallel = ctx.size if parallel == -1 else parallel
-    try:
-        groups.check(parallel, ctx.size, classes)
-        if parallel == 1:
-            raise UserError(
-                f"--head-parallel {cfg.horovod.head_parallel} splits the head over one worker, which is no split: "
-                f"drop --head-parallel (this job has {ctx.size} worker(s))."
-            )
-    except UserError as e:  # every rank finds the same: rank 0 says it
-        raise UserError(str(e), agreed=True) from None
-    if ctx.is_root:
-        log.info(
-            "the head's %d classes split over groups of %d workers (%d group(s)), about %d classes a worker",
-            classes,
-            parallel,
-            ctx.size // parallel,
-            classes // parallel,
-        )
-    return groups.register(groups.Layout(ctx.size, parallel), ctx.rank)
-
-
 def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     """A fresh state, or the one of the latest intact checkpoint; every rank gets rank 0's.
 
@@ -235,10 +207,22 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
             return None
         _check_same_recipe(job, found)
         changed = _check_same_data(job, found)
+        head = found.path
         if isinstance(net, ShardedNet):
-            head_files.check(found.path, net.head_arrays(), net.classes)
-        rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-        return found.path, found.state.to_dict(), rows, changed, found.info
+            if not head_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
+                head = unsplit_head(job, found)
+            head_files.check(head, net.head_arrays(), net.classes)
+            rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        elif head_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
+            layer = net.model.get_layer(HEAD_LAYER)
+            arrays = head_arrays(layer.kernel, layer.bias, net.optimizer)
+            head_files.check(found.path, arrays, len(job.classes))
+            rows = checkpoints.restore(found, features_view(net.model), net.optimizer, partial=True)["rows"]
+            for name, variable in arrays.items():
+                variable.assign(head_files.read_columns(found.path, name, 0, len(job.classes), len(job.classes)))
+        else:
+            rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        return found.path, found.state.to_dict(), rows, changed, found.info, head
 
     def restore_then_describe():
         restored = restore()
@@ -259,9 +243,11 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     gradients.broadcast_variables(net.variables, ctx)
     if restored is None:
         return fresh_state(job, plan), History()
-    path, values, rows, changed, info = restored
+    path, values, rows, changed, info, head = restored
     if isinstance(net, ShardedNet):  # each rank's classes of the head, from rank 0's checkpoint
-        net.restore_head(path, ctx.is_root)
+        net.restore_head(head, ctx.is_root)
+        if ctx.is_root and head != path:
+            shutil.rmtree(head, ignore_errors=True)
     state = TrainState.from_dict(values)
     # Each rank takes back its own BatchNorm statistics and metric sums, or
     # their mean when the workers are not the same ones.
