@@ -400,8 +400,8 @@ def test_plain_horovodrun_ends_a_stop_with_75_alone(status):
     "env, one",
     [
         ({}, True),  # no launcher
-        ({"HOROVOD_SIZE": "1"}, True),  # horovodrun -np 1
-        ({"OMPI_COMM_WORLD_SIZE": "1"}, True),  # mpirun -np 1
+        ({"HOROVOD_SIZE": "1"}, False),  # horovodrun -np 1 keeps Horovod's cycle
+        ({"OMPI_COMM_WORLD_SIZE": "1"}, False),  # mpirun -np 1
         ({"HOROVOD_SIZE": "2"}, False),
         ({"OMPI_COMM_WORLD_SIZE": "4", "PMI_SIZE": "4"}, False),
         ({"PMIX_RANK": "0"}, False),  # srun --mpi=pmix: the size is not in the environment

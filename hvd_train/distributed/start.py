@@ -17,7 +17,7 @@ ELASTIC_GLOO_TIMEOUT = 5
 _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (1 by default) even with nothing to
-# send: 2 % of a core. A job of one process sends nothing (every collective here passes through at
+# send: 2 % of a core. A process started alone sends nothing (every collective here passes through at
 # size 1), so it wakes 10 times a second; any collective would wait at most this long.
 ONE_PROCESS_CYCLE_MS = "100"
 
@@ -28,16 +28,14 @@ def launched_by_mpi() -> bool:
 
 
 def one_process_job() -> bool:
-    """Known before Horovod starts to be a job of one process: no launcher, or one that started one.
+    """Known before Horovod starts to be a job of one process: started by no launcher.
 
-    Not an elastic job, which may grow; not a launcher whose size is not in the environment (PMIx).
+    A launcher's job of one process (``-np 1``) keeps Horovod's cycle: its
+    rank's end is what the launcher waits for, and a sweep's killed trial
+    once left its launcher behind with that rank's end a cycle later.
     """
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
-        return False
-    sizes = [os.environ[v] for v in ("HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if v in os.environ]
-    if sizes:
-        return all(size == "1" for size in sizes)
-    return "PMIX_RANK" not in os.environ
+    launched = ("HOROVOD_SIZE", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+    return not any(v in os.environ for v in launched)
 
 
 def check_launch(elastic: bool) -> None:
