@@ -25,6 +25,12 @@ from hvd_train.errors import UserError
 CHUNK_BYTES = 64 * 2**20
 
 
+def columns_per_chunk(shard: np.ndarray) -> int:
+    """Columns of ``shard``'s kind (the classes on the last axis) in ``CHUNK_BYTES``, at least one."""
+    rows = int(np.prod(shard.shape[:-1])) if shard.ndim > 1 else 1
+    return max(1, CHUNK_BYTES // max(1, rows * shard.itemsize))
+
+
 def path_of(folder: str, name: str) -> str:
     return os.path.join(folder, f"head.{name}.npy")
 
@@ -76,11 +82,10 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
     if groups.layout.group_of(groups.rank) != 0:
         return
     parallel = groups.parallel
-    rows_shape = shard.shape[:-1]
+    rows_shape, chunk = shard.shape[:-1], columns_per_chunk(shard)
     rows = int(np.prod(rows_shape)) if rows_shape else 1
     columns = np.ascontiguousarray(np.reshape(shard, (rows, -1)).T)  # [count, rows]: a column per row of the send
     ranges = [shard_range(classes, parallel, j) for j in range(parallel)]
-    chunk = max(1, CHUNK_BYTES // max(1, rows * shard.itemsize))
     rounds = -(-max(count for _, count in ranges) // chunk)
     out = None
     if groups.rank == 0:
@@ -116,10 +121,8 @@ def broadcast_columns(folder: str | None, name: str, shard: np.ndarray, first: i
     """
     import horovod.tensorflow as hvd
 
-    rows_shape, count = shard.shape[:-1], shard.shape[-1]
-    rows = int(np.prod(rows_shape)) if rows_shape else 1
+    rows_shape, count, chunk = shard.shape[:-1], shard.shape[-1], columns_per_chunk(shard)
     whole = np.load(path_of(folder, name), mmap_mode="r") if folder is not None else None  # checked (``check``)
-    chunk = max(1, CHUNK_BYTES // max(1, rows * shard.itemsize))
     out = np.empty_like(shard)
     for k, start in enumerate(range(0, classes, chunk)):
         end = min(classes, start + chunk)
