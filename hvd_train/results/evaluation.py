@@ -67,26 +67,62 @@ class EvalResult:
         return [float(r / t) if t else None for r, t in zip(right, totals)]
 
 
-def _make_step(model, num_classes: int, k: int):
+def _make_step(model, k: int):
     @tf.function(reduce_retracing=True, autograph=False)  # no control flow: nothing to convert
     def step(images, labels):
+        """Per image: the loss, the best class and whether the label is in the top ``k``."""
         probs = tf.cast(model(images, training=False), tf.float32)
-        labels = tf.cast(labels, tf.int32)
-        # A negative label marks a stand-in for an image that could not be decoded: not scored.
-        scored = labels >= 0
-        weight = tf.cast(scored, tf.int64)
-        labels = tf.maximum(labels, 0)
+        labels = tf.maximum(tf.cast(labels, tf.int32), 0)  # a stand-in's (negative) label: not scored
         loss = tf.keras.losses.sparse_categorical_crossentropy(labels, probs)
-        predicted = tf.argmax(probs, axis=1, output_type=tf.int32)
-        hits_k = tf.math.in_top_k(labels, probs, k)
-        return (
-            tf.reduce_sum(tf.where(scored, tf.cast(loss, tf.float64), 0.0)),
-            tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64) * weight),
-            tf.reduce_sum(tf.cast(hits_k, tf.int64) * weight),
-            predicted,
-        )
+        return loss, tf.argmax(probs, axis=1, output_type=tf.int32), tf.math.in_top_k(labels, probs, k)
 
     return step
+
+
+class _Tally:
+    """One rank's sums over its held-out batches; a negative label marks a stand-in for an image that could not
+    be decoded: counted as skipped, not scored."""
+
+    def __init__(self):
+        self.count, self.loss_sum, self.top1, self.topk = 0, 0.0, 0, 0
+        self.skipped: list[int] = []
+        self.true: list[np.ndarray] = []
+        self.predicted: list[np.ndarray] = []
+        self.started = time.perf_counter()
+
+    def add(self, labels, loss, best, hits) -> None:
+        labels, best = labels.numpy(), best.numpy()
+        scored = labels >= 0
+        self.skipped.extend((-1 - labels[~scored]).tolist())
+        self.count += int(scored.sum())
+        self.loss_sum += float(loss.numpy()[scored].astype(np.float64).sum())
+        self.top1 += int((best == labels)[scored].sum())
+        self.topk += int(hits.numpy()[scored].sum())
+        self.true.append(labels[scored])
+        self.predicted.append(best[scored])
+
+    def total(self, ctx: Context, name: str, num_classes: int, k: int) -> EvalResult:
+        """These sums added over every rank, with the skipped images and the confusion gathered."""
+        skipped = self.skipped
+        local = np.array([self.count, self.loss_sum, self.top1, self.topk, len(skipped)], np.float64)
+        # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
+        total = ctx.allreduce_sum(local, name=name)
+        if total[4] > 0:  # every rank sees the same sum, so all take part in the gather or none
+            skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
+        mine = Confusion(num_classes, np.concatenate([[], *self.true]), np.concatenate([[], *self.predicted]))
+        confusion = Confusion(num_classes)
+        for part in ctx.allgather_object((mine.true, mine.predicted, mine.counts), name=f"{name}.confusion"):
+            confusion += Confusion(num_classes, *part)
+        return EvalResult(
+            count=int(round(total[0])),
+            loss_sum=float(total[1]),
+            top1=int(round(total[2])),
+            topk=int(round(total[3])),
+            k=k,
+            confusion=confusion,
+            skipped=tuple(skipped),
+            seconds=time.perf_counter() - self.started,
+        )
 
 
 def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, name: str = "eval") -> EvalResult:
@@ -106,27 +142,15 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
     """
     k = min(TOP_K, num_classes)
     cache = model.__dict__.setdefault("_hvd_train_eval_steps", {})
-    step = cache.get((num_classes, k))
+    step = cache.get(k)
     if step is None:
-        step = cache[(num_classes, k)] = _make_step(model, num_classes, k)
+        step = cache[k] = _make_step(model, k)
         # Traced once for batches of any size: the last, smaller batch would trace it again.
         step.get_concrete_function(*dataset.element_spec)
-    count, loss_sum, top1, topk = 0, 0.0, 0, 0
-    skipped: list[int] = []
-    true, predicted = [], []
-    started = time.perf_counter()
+    tally = _Tally()
     for images, labels in dataset:
-        batch_loss, batch_top1, batch_topk, batch_predicted = step(images, labels)
-        values = labels.numpy()
-        stand_ins = values[values < 0]
-        skipped.extend((-1 - stand_ins).tolist())
-        count += int(values.size - stand_ins.size)
-        loss_sum += float(batch_loss)
-        top1 += int(batch_top1)
-        topk += int(batch_topk)
-        true.append(values[values >= 0])
-        predicted.append(batch_predicted.numpy()[values >= 0])
-    return _total(ctx, name, num_classes, k, (count, loss_sum, top1, topk), skipped, true, predicted, started)
+        tally.add(labels, *step(images, labels))
+    return tally.total(ctx, name, num_classes, k)
 
 
 def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Context, name: str = "eval") -> EvalResult:
@@ -145,10 +169,7 @@ def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Conte
     step = tf.function(lambda images, labels: net.score_batch(images, labels, k), autograph=False)
     step.get_concrete_function(*specs)
     empty = tuple(tf.zeros([0, *s.shape[1:]], s.dtype) for s in specs)
-    count, loss_sum, top1, topk = 0, 0.0, 0, 0
-    skipped: list[int] = []
-    true, predicted = [], []
-    started = time.perf_counter()
+    tally = _Tally()
     batches = iter(dataset)
     for i in itertools.count():
         batch = next(batches, None)
@@ -158,38 +179,5 @@ def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Conte
         if not int(left):
             break
         images, labels = batch if batch is not None else empty
-        loss, best, hits = step(images, labels)
-        values = labels.numpy()
-        scored = values >= 0
-        skipped.extend((-1 - values[~scored]).tolist())
-        count += int(scored.sum())
-        loss_sum += float(loss.numpy()[scored].sum())
-        top1 += int((best.numpy() == values)[scored].sum())
-        topk += int(hits.numpy()[scored].sum())
-        true.append(values[scored])
-        predicted.append(best.numpy()[scored])
-    return _total(ctx, name, num_classes, k, (count, loss_sum, top1, topk), skipped, true, predicted, started)
-
-
-def _total(ctx, name, num_classes, k, sums, skipped, true, predicted, started) -> EvalResult:
-    """This rank's sums, added over every rank, with the skipped images and the confusion gathered."""
-    count, loss_sum, top1, topk = sums
-    local = np.array([count, loss_sum, top1, topk, len(skipped)], np.float64)
-    # Horovod: one sum over ranks; float64 holds exact counts up to 2**53.
-    total = ctx.allreduce_sum(local, name=name)
-    if total[4] > 0:  # every rank sees the same sum, so all take part in the gather or none
-        skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
-    mine = Confusion(num_classes, np.concatenate([[], *true]), np.concatenate([[], *predicted]))
-    confusion = Confusion(num_classes)
-    for part in ctx.allgather_object((mine.true, mine.predicted, mine.counts), name=f"{name}.confusion"):
-        confusion += Confusion(num_classes, *part)
-    return EvalResult(
-        count=int(round(total[0])),
-        loss_sum=float(total[1]),
-        top1=int(round(total[2])),
-        topk=int(round(total[3])),
-        k=k,
-        confusion=confusion,
-        skipped=tuple(skipped),
-        seconds=time.perf_counter() - started,
-    )
+        tally.add(labels, *step(images, labels))
+    return tally.total(ctx, name, num_classes, k)
