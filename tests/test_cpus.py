@@ -8,6 +8,7 @@ training run records it in ``summary.json``.
 
 import contextlib
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -62,24 +63,22 @@ def _read(path):
     return path.read_text() if path.exists() else ""
 
 
-@pytest.fixture
-def one_cpu_cgroup():
-    """A cgroup limited to 1 CPU of quota; yields a command prefix that runs a program in it."""
+@contextlib.contextmanager
+def cgroup(controller: str, v1_limits: dict, v2_limits: dict):
+    """A cgroup with these limits (v1 or v2, as mounted here); yields a command prefix that runs a program in it."""
     if os.geteuid() != 0:
         unavailable("root", "making a cgroup needs root")
-    name = f"hvd-cpus-{uuid.uuid4().hex[:6]}"
-    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
-    if (v1 / "cpu.cfs_quota_us").exists():
-        folder = v1 / name
-        folder.mkdir()
-        (folder / "cpu.cfs_period_us").write_text("100000")
-        (folder / "cpu.cfs_quota_us").write_text("100000")
-    elif "cpu" in _read(v2 / "cgroup.controllers").split():
-        folder = v2 / name
-        folder.mkdir()
-        (folder / "cpu.max").write_text("100000 100000")
+    name = f"hvd-{controller}-{uuid.uuid4().hex[:6]}"
+    v1, v2 = Path("/sys/fs/cgroup") / controller, Path("/sys/fs/cgroup")
+    if (v1 / next(iter(v1_limits))).exists():
+        folder, limits = v1 / name, v1_limits
+    elif controller in _read(v2 / "cgroup.controllers").split():
+        folder, limits = v2 / name, v2_limits
     else:
-        unavailable("root", "no cgroup CPU controller is mounted here")
+        unavailable("root", f"no cgroup {controller} controller is mounted here")
+    folder.mkdir()
+    for file, value in limits.items():
+        (folder / file).write_text(value)
     try:
         yield ["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "in-cgroup"]
     finally:
@@ -101,6 +100,15 @@ def one_cpu_cgroup():
                 time.sleep(0.1)
 
 
+@pytest.fixture
+def one_cpu_cgroup():
+    """A cgroup limited to 1 CPU of quota."""
+    with cgroup(
+        "cpu", {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}, {"cpu.max": "100000 100000"}
+    ) as c:
+        yield c
+
+
 def test_a_cgroup_cpu_quota_sets_the_threads(two_cpus, one_cpu_cgroup, demo_small, tmp_path):
     found = doctor_cpus(one_cpu_cgroup)
     assert found["cgroup"] == "quota of 1 CPUs", found
@@ -110,3 +118,22 @@ def test_a_cgroup_cpu_quota_sets_the_threads(two_cpus, one_cpu_cgroup, demo_smal
     assert proc.returncode == 0, output_of(proc)
     cpu = read_json(out / "summary.json")["cpu"]
     assert cpu["threads"] == 1 and cpu["cgroup_quota"] == 1.0 and cpu["source"] == "cgroup quota", cpu
+
+
+def test_the_room_for_memory_is_the_hosts_or_less_under_a_cgroup_limit():
+    """What ``--head-save auto`` weighs a whole model against: MemAvailable, or a cgroup limit less its use."""
+    program = [
+        sys.executable,
+        "-c",
+        "from hvd_train.distributed.memory import room; r = room(); print(r.bytes, r.source, sep=',')",
+    ]
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    free, source = run(program).stdout.strip().split(",")
+    assert source == "host" and 0 < int(free) <= int(meminfo["MemTotal"].split()[0]) * 1024
+    limit = 2**30
+    with cgroup("memory", {"memory.limit_in_bytes": str(limit)}, {"memory.max": str(limit)}) as in_cgroup:
+        proc = run([*in_cgroup, *program])
+    assert proc.returncode == 0, output_of(proc)
+    free, source = proc.stdout.strip().split(",")
+    # The limit less what the cgroup holds already: this Python and what it imported.
+    assert source == "cgroup limit" and limit - 2**28 < int(free) < limit, proc.stdout

@@ -1,5 +1,6 @@
 """The classification head split by class over groups of ranks (``--head-parallel``): exactness, bad input."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -52,7 +53,6 @@ def exact(results: dict, rank: int) -> None:
             "trained_backbone",
             "trained_kernel",
             "trained_bias",
-            "scaled",
         ):
             assert r[name] <= 1e-5, (rank, key, name, r[name])
         assert r["predicted"] == r["argmax"], (rank, key)
@@ -175,7 +175,7 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
 def test_the_starting_head_is_the_same_whatever_the_split():
     import numpy as np
 
-    from hvd_train.model.sharded_net import HEAD_BLOCK, initial_columns
+    from hvd_train.model.head_start import HEAD_BLOCK, initial_columns
 
     classes, features = 2 * HEAD_BLOCK + 37, 6
     whole = initial_columns(features, classes, 0, classes, seed=3)
@@ -190,18 +190,137 @@ def test_the_starting_head_is_the_same_whatever_the_split():
 
 
 @pytest.mark.multiprocess
-def test_a_split_head_under_mixed_float16_scales_the_loss_across_its_shards_and_saves_a_float32_model(tmp_path):
-    """The features' gradients are those of the scaled loss; a step the scale skips skips the head too."""
+def test_a_split_head_under_mixed_float16_saved_as_files_is_scored_whole_and_split_and_then_saved_whole(tmp_path):
+    """The features' gradients are those of the scaled loss; a step the scale skips skips the head too. The model
+    saved as files (``--head-save files``: the features' model in float32 and the head's arrays) is scored as
+    training scored it by one process holding the head whole and by two ranks holding half each; ``predict``
+    takes it; a run that saves it whole after removes the files."""
+    import numpy as np
+
     from hvd_train.compat import keras
 
     data = write_images(tmp_path / "few", {"a": 10, "b": 10, "c": 10})
     out = tmp_path / "run"
     train = [*HVD_TRAIN, "train", "--data", data, "--val-data", data, "--output", out, *TINY, "--batch-size", "4"]
-    proc = launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2", "--precision", "mixed_float16"])
+    split = [*train, "--head-parallel", "2", "--precision", "mixed_float16"]
+    proc = launch("horovodrun-gloo", 2, [*split, "--head-save", "files"])
     assert proc.returncode == 0, output_of(proc)
+    assert "saved as features.keras and the head's arrays (--head-save files)" in proc.stderr, output_of(proc)
     summary = read_json(out / "summary.json")
     assert summary["precision"] == "mixed_float16" and summary["weights_identical_across_ranks"] is True
+    assert summary["saved_model"] == "files" and not (out / "model.keras").exists()
+    assert sorted(summary["model_files"]) == sorted(
+        ["features.keras", "head.kernel.npy", "head.bias.npy", "labels.json", "run_config.yaml"]
+    )
+    features = keras.models.load_model(out / "features.keras", compile=False)
+    assert {layer.dtype_policy.name for layer in features.layers} == {"float32"}
+    assert np.load(out / "head.kernel.npy").shape == (features.output_shape[-1], 3)
+    reports = {}
+    for name, np_ in (("whole", 1), ("split", 2)):
+        report = tmp_path / f"{name}.json"
+        proc = launch(
+            "horovodrun-gloo", np_, [*HVD_TRAIN, "evaluate", "--model-dir", out, "--data", data, "--report", report]
+        )
+        assert proc.returncode == 0, output_of(proc)
+        reports[name] = report = read_json(report)
+        assert report["images"] == 30 and report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9), name
+        # Training scored with float16 features, the saved model computes in float32.
+        assert report["loss"] == pytest.approx(summary["val_loss"], rel=1e-3), name
+    assert reports["split"]["loss"] == pytest.approx(reports["whole"]["loss"], rel=1e-6)
+    assert reports["split"]["per_class_accuracy"] == reports["whole"]["per_class_accuracy"]
+    proc = cli(["predict", "--model-dir", out, data / "a", "--output", tmp_path / "predicted.csv"])
+    assert proc.returncode == 0 and len((tmp_path / "predicted.csv").read_text().splitlines()) == 11, output_of(proc)
+
+    proc = launch("horovodrun-gloo", 2, [*split, "--head-save", "whole"])
+    assert proc.returncode == 0 and "saved whole in model.keras (--head-save whole)" in proc.stderr, output_of(proc)
+    assert read_json(out / "summary.json")["saved_model"] == "whole"
+    assert sorted(p.name for p in out.glob("*.keras")) == ["model.keras"] and not list(out.glob("head.*.npy"))
     saved = keras.models.load_model(out / "model.keras", compile=False)
     assert {layer.dtype_policy.name for layer in saved.layers} == {"float32"}
-    report = evaluated(out, data, tmp_path, "mixed")
-    assert report["images"] == 30 and report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
+
+
+def test_a_split_head_is_saved_whole_when_rank_0_has_the_room_and_as_files_when_not():
+    from hvd_train.distributed.memory import Room
+    from hvd_train.training.split_head import choose_save
+
+    gib = 2**30
+    assert choose_save("auto", 3 * gib, Room(4 * gib, "host"))[0] == "whole"
+    form, why = choose_save("auto", 5 * gib, Room(4 * gib, "cgroup limit"))
+    assert form == "files" and "5.00 GiB" in why and "4.0 GiB (its cgroup limit)" in why, why
+    assert choose_save("whole", 5 * gib, Room(4 * gib, "host"))[0] == "whole"
+    assert choose_save("files", 1, Room(4 * gib, "host"))[0] == "files"
+
+
+@pytest.mark.multiprocess
+def test_a_split_head_trains_the_weights_a_data_parallel_run_trains(demo_small, tmp_path):
+    """The same job twice on two ranks, with the head whole on each and split over both: both start from the
+    same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With Adam (its step
+    count), label smoothing, --grad-accum 2 (the head's passes added up, applied with the backbone's) and --ema
+    (the head's average moved with the backbone's, and saved)."""
+    import numpy as np
+
+    from hvd_train.compat import keras
+    from hvd_train.model.head_start import initial_columns
+
+    options = [
+        "--optimizer",
+        "adam",
+        "--label-smoothing",
+        "0.1",
+        "--grad-accum",
+        "2",
+        "--ema",
+        "0.9",
+        "--deterministic",
+    ]
+    models = {}
+    for name, split in (("whole", []), ("split", ["--head-parallel", "2"])):
+        out = tmp_path / name
+        train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-data", demo_small, "--output", out, *TINY]
+        proc = launch("horovodrun-gloo", 2, [*train, *options, *split])
+        assert proc.returncode == 0, output_of(proc)
+        assert "accumulation 2" in proc.stderr, output_of(proc)
+        models[name] = keras.models.load_model(out / "model.keras", compile=False)
+    for layer in models["whole"].layers:
+        for mine, theirs in zip(layer.get_weights(), models["split"].get_layer(layer.name).get_weights()):
+            scale = max(np.abs(mine).max(), 1e-30)
+            assert np.abs(mine - theirs).max() / scale <= 1e-4, layer.name
+    head = models["whole"].get_layer("predictions").kernel.numpy()
+    assert np.abs(head - initial_columns(*head.shape, 0, head.shape[1], seed=42)).max() > 1e-3  # it trained
+
+
+@pytest.mark.multiprocess
+def test_a_split_run_resumed_from_a_mid_epoch_checkpoint_ends_with_the_same_model(demo_small, tmp_path):
+    """Checkpoints every 3 steps (of 8 an epoch) gather the split head mid-epoch; with the epoch's last one gone, a
+    rerun resumes from step 6 (the head split again from its files, its optimizer's values too) and saves the
+    model of the uninterrupted run, bit for bit."""
+    import numpy as np
+
+    from hvd_train.compat import keras
+
+    out = tmp_path / "run"
+    train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-data", demo_small, "--output", out, *TINY]
+    command = [*train, "--head-parallel", "2", "--checkpoint-every", "3", "--keep-checkpoints", "3"]
+    proc = launch("horovodrun-gloo", 2, command)
+    assert proc.returncode == 0, output_of(proc)
+    straight = keras.models.load_model(out / "model.keras", compile=False).get_weights()
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == [
+        "epoch-0000-step-000003",
+        "epoch-0000-step-000006",
+        "epoch-0001",
+    ]
+    assert sorted(p.name for p in (checkpoints / "epoch-0000-step-000006").glob("head.*.npy"))[:3] == [
+        "head.bias.npy",
+        "head.kernel.npy",
+        "head.slot-m-predictions-bias.npy",
+    ]
+    shutil.rmtree(checkpoints / "epoch-0001")
+    (out / "model.keras").unlink()
+    proc = launch("horovodrun-gloo", 2, command)
+    assert proc.returncode == 0 and "resuming from" in proc.stderr, output_of(proc)
+    assert read_json(out / "summary.json")["resumed_from"].endswith("epoch-0000-step-000006")
+    resumed = keras.models.load_model(out / "model.keras", compile=False).get_weights()
+    assert len(resumed) == len(straight)
+    for mine, theirs in zip(resumed, straight):
+        np.testing.assert_array_equal(mine, theirs)

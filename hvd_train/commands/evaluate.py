@@ -37,11 +37,19 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.streams import input_errors
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
-    from hvd_train.results.evaluation import evaluate
+    from hvd_train.model.sharded_net import SplitScorer
+    from hvd_train.results.evaluation import evaluate, evaluate_sharded
     from hvd_train.results.inference import load_trained
 
     ctx = start.init()
-    trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
+    # A head saved as files is split over the ranks (each holds its columns), whole in one process.
+    trained = ctx.agree(lambda: load_trained(args.model_dir, split=ctx.size > 1), name="load_model")
+    if trained.head is not None and len(trained.classes) < ctx.size:
+        raise UserError(
+            f"{args.model_dir} has {len(trained.classes)} classes, fewer than the {ctx.size} processes that would "
+            "split its head: evaluate it with fewer processes.",
+            agreed=True,
+        )
     s3 = S3Options(endpoint=args.s3_endpoint)
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)
     held_out = eval_dataset(
@@ -56,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         alpha_background=args.alpha_background or trained.alpha_background,
     )
     with input_errors(ctx.rank, held_out.reader, during="evaluation"):
-        result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
+        if trained.head is None:
+            result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
+        else:
+            scorer = SplitScorer(trained.model, trained.head, len(trained.classes), ctx.rank, ctx.size)
+            result = evaluate_sharded(scorer, held_out.dataset, len(trained.classes), ctx, name="evaluate")
     if result.skipped and args.on_bad_image == "fail":
         first = images.paths[result.skipped[0]]
         raise UserError(

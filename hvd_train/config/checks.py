@@ -112,14 +112,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "an elastic job cannot roll back gradients accumulated between updates; drop --grad-accum or --elastic",
     )
     _require(h.head_parallel >= -1, "--head-parallel", h.head_parallel, "use G >= 1, -1 (all workers) or 0 (no)")
+    _require(
+        h.head_parallel or h.head_save == "auto",
+        "--head-save",
+        h.head_save,
+        "it chooses how a split head is saved; add --head-parallel G, or drop --head-save",
+    )
     if h.head_parallel:
         for flag, value, used, why in (
             ("--elastic", True, h.elastic, "its groups of workers are fixed at the start"),
-            ("--grad-accum", h.grad_accum, h.grad_accum > 1, "the split head does not accumulate yet"),
             ("--xla", c.xla, c.xla == "jit", "the split head's step exchanges features inside the step"),
             ("--mixup", d.mixup, d.mixup, "the split head takes one label a row, not mixed targets"),
             ("--cutmix", d.cutmix, d.cutmix, "the split head takes one label a row, not mixed targets"),
-            ("--ema", cfg.optim.ema, cfg.optim.ema, "the split head keeps no moving average yet"),
         ):
             _require(not used, flag, value, f"with --head-parallel {why}; drop one of them")
     try:

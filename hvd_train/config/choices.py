@@ -29,6 +29,7 @@ BAD_IMAGE_POLICIES = ("skip", "fail")
 IMAGE_CHECKS = ("quick", "full", "none")  # data.sources
 S3_RETRY_MODES = ("standard", "adaptive")
 ELASTIC_BATCH = ("keep-worker-batch", "keep-global-batch")
+HEAD_SAVES = ("auto", "whole", "files")
 AUTOTUNE_LOG = "horovod_autotune.csv"
 TIMELINE = "horovod_timeline.json"
 PRECISIONS = ("auto", "fp32", "mixed_float16", "mixed_bfloat16")
@@ -289,6 +290,9 @@ class HorovodConfig:
         head_parallel: split the classification head by class over groups
             of this many workers, data-parallel across groups (0: no; -1:
             one group of every worker). See ``model/sharded_head.py``.
+        head_save: a split head's saved model: ``whole`` (``model.keras``),
+            ``files`` (the network up to the head, and the head's arrays),
+            ``auto`` (whole when rank 0 has the memory to hold it).
     """
 
     fp16_allreduce: bool = _opt(False, "--fp16-allreduce", "compress gradients to float16 for the allreduce")
@@ -312,6 +316,9 @@ class HorovodConfig:
     hierarchical_allreduce: bool = _opt(False, "--hierarchical-allreduce", "allreduce within hosts, then across")
     head_parallel: int = _opt(
         0, "--head-parallel", "split the head by class over groups of G workers (0: no; -1: all workers in one group)"
+    )
+    head_save: str = _opt(
+        "auto", "--head-save", "how a split head is saved: whole, files, auto (whole if it fits)", choices=HEAD_SAVES
     )
 
     def environment(self, output: str) -> dict[str, str]:

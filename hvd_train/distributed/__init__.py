@@ -7,7 +7,7 @@
 * ``elastic``: the retry loop of an elastic job (``hvd_train.training.elastic``
   says what is kept and rolled back).
 * ``exits``: ending a rank without hanging the others.
-* ``hostname``, ``cpus``: what a rank finds on its host before Horovod starts.
+* ``hostname``, ``cpus``, ``memory``: what a rank finds on its host before Horovod starts.
 
 Outside this package, ``hvd_train.commands.launch`` runs Horovod's launcher (its
 runner, not the ranks' library) and ``doctor`` reads Horovod's build flags.

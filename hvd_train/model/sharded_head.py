@@ -19,9 +19,10 @@ of the kernel and bias. One step of the head, on every rank of a group:
    its own rows, as in the data-parallel step;
 5. the gradients of the features are partial sums over the shards, summed
    and handed back to the rows' ranks by one reduce-scatter;
-6. the head's gradients cover the group's rows: divided by G and averaged
-   over the shard's peers in the other groups, they are exactly the
-   data-parallel average over all ranks.
+6. the head's gradients cover the group's rows: divided by G, and averaged
+   over the shard's peers in the other groups (``peers_average``, once an
+   update: after the passes ``--grad-accum`` adds up), they are exactly
+   the data-parallel average over all ranks.
 
 The backbone's gradients then come from its own tape with the features'
 gradients as output gradients, and are averaged over all ranks as usual.
@@ -41,8 +42,9 @@ class HeadStep:
 
     Attributes:
         loss: the group's loss (the mean of its ranks' losses), as every rank of the group sees it.
-        d_features: the gradient of this rank's own features ([B, F]).
-        d_kernel, d_bias: the gradients of this rank's shard, averaged as data parallelism would.
+        d_features: the gradient of this rank's own features ([B, F], float32).
+        d_kernel, d_bias: the gradients of this rank's shard from its group's rows (``peers_average``
+            makes them the average over all ranks).
         predicted: the best class of each of this rank's rows, over all classes.
     """
 
@@ -64,7 +66,6 @@ def head_step(
     classes: int,
     groups: HeadGroups,
     smoothing: float = 0.0,
-    scale=1.0,
 ) -> HeadStep:
     """Loss and gradients of the softmax head split over ``groups.group``, for this rank's batch.
 
@@ -75,8 +76,6 @@ def head_step(
         kernel, bias: this rank's shard: [F, count] and [count], classes ``first ..``.
         classes: all classes of the head.
         smoothing: label smoothing (Keras's: ``1 - s`` on the label, ``s / classes`` on every class).
-        scale: the loss scale (``mixed_float16``): the features' gradients are those of the scaled loss,
-            scaled in float32 before they are cast to the features' type.
     """
     import horovod.tensorflow as hvd
 
@@ -108,16 +107,22 @@ def head_step(
     d_logits = (probs - target) * (all_weights / batch_f)[:, None]
     d_kernel = tf.matmul(rows, d_logits, transpose_a=True) / parallel
     d_bias = tf.reduce_sum(d_logits, axis=0) / parallel
-    if groups.peers is not None:
-        d_kernel, d_bias = hvd.grouped_allreduce(
-            [d_kernel, d_bias], op=hvd.Average, process_set=groups.peers, name="head_step.peers"
-        )
-    d_rows = tf.matmul(d_logits, kernel, transpose_b=True) * tf.cast(scale, tf.float32)
+    d_rows = tf.matmul(d_logits, kernel, transpose_b=True)
     d_features = hvd.reducescatter(d_rows, op=hvd.Sum, process_set=group, name="head_step.d_features")
 
     loss = tf.reduce_sum(tf.cast(row_loss, tf.float32) * all_weights) / (batch_f * parallel)
     own = tf.range(batch) + groups.shard * batch  # training batches are the same size on every rank
-    return HeadStep(loss, tf.cast(d_features, features.dtype), d_kernel, d_bias, tf.gather(predicted, own))
+    return HeadStep(loss, d_features, d_kernel, d_bias, tf.gather(predicted, own))
+
+
+def peers_average(grads: list, groups: HeadGroups) -> list:
+    """The shard's gradients from ``head_step``, averaged over the ranks that hold the same shard in the
+    other groups: the data-parallel average over all ranks (unchanged with one group)."""
+    if groups.peers is None:
+        return list(grads)
+    import horovod.tensorflow as hvd
+
+    return hvd.grouped_allreduce(list(grads), op=hvd.Average, process_set=groups.peers, name="head.peers")
 
 
 def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups, name: str):

@@ -5,8 +5,8 @@ what Keras checkpoints and Horovod broadcasts, the backbone and its
 optimizer, is the same whatever the layout. The head is this rank's shard
 (``sharded_head``): the kernel and bias of its classes, with an optimizer
 of their own (plain Keras: their gradients come averaged from
-``head_step``), initialised from ``(seed, block of classes)`` so that every
-layout starts from the same head. Checkpoints hold it whole
+``head_step``), started from its columns of the head every layout starts
+from (``head_start``). Checkpoints hold it whole
 (``training/head_files``), so a run resumes on any world size and any G;
 an unsplit run reads it whole, and a split run takes an unsplit run's
 head from its checkpoint (``whole_head_files``).
@@ -14,36 +14,19 @@ head from its checkpoint (``whole_head_files``).
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
 from hvd_train.compat import keras, tf
 from hvd_train.config import TrainConfig
-from hvd_train.distributed import gradients
 from hvd_train.distributed.groups import HeadGroups, shard_range
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled
+from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, keras_optimizer
-from hvd_train.model.sharded_head import head_scores, head_step
+from hvd_train.model.sharded_head import head_scores, head_step, peers_average
 from hvd_train.training import head_files
-
-# The head is drawn in blocks of this many classes, each from its own key: any shard takes its columns.
-HEAD_BLOCK = 1024
-
-
-def initial_columns(features: int, classes: int, first: int, count: int, seed: int) -> np.ndarray:
-    """Columns ``first ..`` of the whole head's starting kernel: Glorot-uniform over ``features`` x ``classes``
-    (Keras's Dense default), the same values whatever the split."""
-    limit = math.sqrt(6.0 / (features + classes))
-    blocks = []
-    for block in range(first // HEAD_BLOCK, (first + count - 1) // HEAD_BLOCK + 1):
-        key = tf.constant([seed, block], tf.int64)
-        blocks.append(tf.random.stateless_uniform([features, HEAD_BLOCK], key, -limit, limit).numpy())
-    whole = np.concatenate(blocks, axis=1)
-    start = first - (first // HEAD_BLOCK) * HEAD_BLOCK
-    return whole[:, start : start + count]
 
 
 class ShardedNet(Net):
@@ -74,53 +57,77 @@ class ShardedNet(Net):
         self.head, self.classes = head, classes
         self.first, self.count = shard_range(classes, head.parallel, head.shard)
         self.kernel, self.bias = layer.kernel, layer.bias
-        self.kernel.assign(initial_columns(int(self.kernel.shape[0]), classes, self.first, self.count, seed))
-        self.bias.assign(tf.zeros_like(self.bias))
+        start_head(self.kernel, self.bias, self.first, classes, seed)
         self._smoothing = cfg.optim.label_smoothing
         self._head_lr_mult = cfg.optim.head_lr_mult
         self.head_optimizer = keras_optimizer(cfg)
         if cfg.optim.weight_decay:
             self.head_optimizer.exclude_from_weight_decay(var_list=[self.bias])
         self.head_optimizer.build([self.kernel, self.bias])
+        if self._ema:  # --ema: the head's average moves as the backbone's, by the same decay
+            self.head_optimizer.ema_momentum = self._ema_decay
+        # --grad-accum: the head's gradients added up over the passes of an update (whole at checkpoints).
+        self._accum = cfg.horovod.grad_accum
+        sums = [] if self._accum == 1 else [self.kernel, self.bias]
+        self._sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in sums]
+        self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="head_passes")
+
+    def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
+        """``Net.averages``, then the head shard's kernel and bias with their averages (``--ema``)."""
+        if not self._ema:
+            return []
+        head = self.head_optimizer._model_variables_moving_average  # Keras's, in the order ``build`` had them
+        return super().averages() + list(zip([self.kernel, self.bias], head, strict=True))
 
     def _rates(self) -> list[tf.Variable]:
         return [self.optimizer.learning_rate, self.head_optimizer.learning_rate]
 
     def _update(self, images, labels, weights, targets) -> None:
         optimizer, variables = self.optimizer, self.model.trainable_variables
-        scaled = is_loss_scaled(optimizer)
+        before = optimizer.iterations.read_value()
         with tf.GradientTape() as tape:
             features = self.model(images, training=True)
-        step = head_step(
-            features,
-            labels,
-            weights,
-            self.kernel,
-            self.bias,
-            first=self.first,
-            classes=self.classes,
-            groups=self.head,
-            smoothing=self._smoothing,
-            scale=optimizer.loss_scale if scaled else 1.0,
-        )
-        grads = tape.gradient(features, variables, output_gradients=step.d_features)
-        # Horovod: the backbone's gradients averaged over every rank, as data parallelism does.
-        grads = gradients.allreduce_gradients(grads, fp16=self.model.fp16_allreduce)
-        if scaled:
-            grads = optimizer.get_unscaled_gradients(grads)
-        if scaled:  # what the loss scale checks before it applies them
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None])
-        optimizer.apply_gradients(zip(grads, variables))
-        head = [(step.d_kernel * self._head_lr_mult, self.kernel), (step.d_bias * self._head_lr_mult, self.bias)]
+            with tape.stop_recording():
+                step = head_step(
+                    features,
+                    labels,
+                    weights,
+                    self.kernel,
+                    self.bias,
+                    first=self.first,
+                    classes=self.classes,
+                    groups=self.head,
+                    smoothing=self._smoothing,
+                )
+            # The loss reaches the backbone through its features: this sum has the loss's gradient for every
+            # backbone variable (the features' gradient held constant), taken in float32 as the head's loss.
+            handed = tf.reduce_sum(tf.cast(features, tf.float32) * step.d_features)
+        # Horovod's DistributedOptimizer, as the data-parallel step: the gradients averaged over every rank
+        # (--fp16-allreduce compressed; --grad-accum: added up locally, averaged at each update); under a
+        # loss scale, the sum scaled (in float32), then the gradients unscaled.
+        grads_and_vars = optimizer.compute_gradients(handed, variables, tape=tape)
+        applies = tf.constant(True)
+        if is_loss_scaled(optimizer):  # a step the scale skips (every rank alike) skips the head too
+            applies = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads_and_vars if g is not None])
+        optimizer.apply_gradients(grads_and_vars)
+        head = [step.d_kernel * self._head_lr_mult, step.d_bias * self._head_lr_mult]
+        if self._sums:  # --grad-accum: the head's passes added up, applied with the backbone's update
+            for total, grad in zip(self._sums, head):
+                total.assign_add(grad)
+            self._passes.assign_add(1)
+            applies = tf.equal(self._passes % self._accum, 0)
+            head = [total / self._accum for total in self._sums]
 
         def apply_head():
-            self.head_optimizer.apply_gradients(head)
+            grads = peers_average(head, self.head)
+            # The head's optimizer counts as the backbone's (Adam's bias correction): DP's one optimizer.
+            self.head_optimizer.iterations.assign(before)
+            self.head_optimizer.apply_gradients(zip(grads, [self.kernel, self.bias]))
+            for total in self._sums:
+                total.assign(tf.zeros_like(total))
             return tf.constant(True)
 
-        if scaled:  # a step the loss scale skips (every rank alike: the gradients are averaged) skips the head too
-            tf.cond(finite, apply_head, lambda: tf.constant(False))
-        else:
-            apply_head()
+        tf.cond(applies, apply_head, lambda: tf.constant(False))
         metrics = {m.name: m for m in self.model.metrics}
         metrics["loss"].update_state(step.loss)
         correct = tf.cast(tf.equal(step.predicted, tf.cast(labels, tf.int32)), tf.float32)
@@ -162,6 +169,22 @@ class ShardedNet(Net):
         """Held-out scores of one batch over all classes (``head_scores``); every rank of the group calls it."""
         features = self.model(images, training=False)
         return head_scores(features, labels, self.kernel, self.bias, first=self.first, groups=self.head, k=k)
+
+
+class SplitScorer:
+    """A saved model whose head was saved as files (``--head-save files``), its head split over every rank of
+    ``evaluate``: each rank reads its columns and the ranks score each batch together (``score_batch``)."""
+
+    def __init__(self, features: keras.Model, folder: str, classes: int, rank: int, size: int):
+        from hvd_train.distributed.groups import Layout, register
+
+        self.model, self.head = features, register(Layout(size, size), rank)  # one group: Horovod's global set
+        self.first, count = shard_range(classes, size, rank)
+        self.kernel, self.bias = (
+            tf.constant(head_files.read_columns(folder, n, self.first, count, classes)) for n in ("kernel", "bias")
+        )
+
+    score_batch = ShardedNet.score_batch
 
 
 def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:

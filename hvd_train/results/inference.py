@@ -12,14 +12,25 @@ from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.files import read_json, sha256
 from hvd_train.model.catalogue import get_spec
+from hvd_train.training import head_files
 
 # What a finished run leaves for inference, written together (training/finish.py).
 MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
+# A split head saved as files (--head-save): the network up to the head, and the head's arrays.
+FEATURES, HEAD_ARRAYS = "features.keras", ("kernel", "bias")
+
+
+def saved_names(folder: str) -> tuple[str, ...]:
+    """The files of the model saved in ``folder``: ``model.keras``, or (a split head saved as files)
+    ``features.keras`` and the head's arrays; then ``labels.json`` and ``run_config.yaml``."""
+    if os.path.isfile(os.path.join(folder, MODEL)) or not os.path.isfile(os.path.join(folder, FEATURES)):
+        return (MODEL, LABELS, CONFIG)
+    return (FEATURES, *(os.path.basename(head_files.path_of(folder, n)) for n in HEAD_ARRAYS), LABELS, CONFIG)
 
 
 def model_files(folder: str) -> dict[str, str]:
-    """The SHA-256 of ``model.keras``, ``labels.json`` and ``run_config.yaml`` in ``folder``."""
-    return {name: sha256(os.path.join(folder, name)) for name in (MODEL, LABELS, CONFIG)}
+    """The SHA-256 of each file of the saved model (``saved_names``) in ``folder``."""
+    return {name: sha256(os.path.join(folder, name)) for name in saved_names(folder)}
 
 
 @dataclass(frozen=True)
@@ -33,6 +44,8 @@ class Trained:
         crop_fraction: the evaluation center crop used in training.
         preprocess: the backbone's ``preprocess_input``.
         alpha_background: what transparent pixels were composited over in training.
+        head: the folder of the head's arrays when the head was saved as files and is left there
+            (``load_trained(split=True)``); ``model`` is then the network up to the head.
     """
 
     model: object
@@ -41,16 +54,22 @@ class Trained:
     crop_fraction: float
     preprocess: object
     alpha_background: str = "white"
+    head: str | None = None
 
 
-def load_trained(model_dir: str) -> Trained:
-    """Loads ``model.keras``, ``labels.json`` and ``run_config.yaml`` of a run.
+def load_trained(model_dir: str, split: bool = False) -> Trained:
+    """Loads the model (``saved_names``), ``labels.json`` and ``run_config.yaml`` of a run.
+
+    A head saved as files is attached to the network before it as one
+    ordinary model, if this process has the memory for it; with ``split``
+    it is left in its files, for ranks that each read their columns.
 
     Raises:
-        UserError: the folder is not a finished training run.
+        UserError: the folder is not a finished training run, or its head cannot be held here.
     """
     hint = "--model-dir takes the --output folder of a finished `hvd-train train`"
-    paths = {name: os.path.join(model_dir, name) for name in (MODEL, LABELS, CONFIG)}
+    names = saved_names(model_dir)
+    paths = {name: os.path.join(model_dir, name) for name in names}
     for name, path in paths.items():
         if not os.path.isfile(path):
             raise UserError(f"{model_dir} has no {name}; {hint}.")
@@ -60,14 +79,19 @@ def load_trained(model_dir: str) -> Trained:
     with open(paths[CONFIG], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
     try:
-        model = keras.models.load_model(paths[MODEL], compile=False)
+        model = keras.models.load_model(paths[names[0]], compile=False)
     except Exception as e:  # a truncated or foreign file; Keras raises many types
-        raise UserError(f"cannot load {paths[MODEL]} ({str(e).splitlines()[0][:200]}); {hint}.") from None
-    outputs = int(model.output_shape[-1])
-    if len(classes) != outputs:
+        raise UserError(f"cannot load {paths[names[0]]} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+    head = None
+    if names[0] == FEATURES:
+        _check_head(model_dir, len(classes))
+        head = model_dir if split else None
+        if not split:
+            model = whole_model(model, model_dir, len(classes))
+    elif len(classes) != int(model.output_shape[-1]):
         raise UserError(
-            f"{paths[LABELS]} names {len(classes)} classes but {paths[MODEL]} has {outputs} outputs: "
-            f"they are not of the same run; train again into {model_dir} to write them together."
+            f"{paths[LABELS]} names {len(classes)} classes but {paths[MODEL]} has {int(model.output_shape[-1])} "
+            f"outputs: they are not of the same run; train again into {model_dir} to write them together."
         )
     spec = get_spec(run_config["model"]["name"])
     return Trained(
@@ -77,7 +101,54 @@ def load_trained(model_dir: str) -> Trained:
         crop_fraction=float(run_config["data"]["crop_fraction"]),
         preprocess=spec.preprocess_input(),
         alpha_background=str(run_config["data"].get("alpha_background", "white")),
+        head=head,
     )
+
+
+def whole_model(features, folder: str, classes: int):
+    """The ordinary model: ``features`` (the network up to the head) and the head read from ``folder``.
+
+    Raises:
+        UserError: the whole model needs more memory than this process has.
+    """
+    import numpy as np
+
+    from hvd_train.distributed import memory
+    from hvd_train.model.catalogue import HEAD_LAYER
+
+    width = int(features.output_shape[-1])
+    needed = 4 * ((width + 1) * classes + features.count_params())
+    room = memory.room()
+    if needed > room.bytes:
+        raise UserError(
+            f"the model in {folder} holds a head of {classes} classes saved as files, {needed / 2**30:.1f} GiB whole, "
+            f"and this process has room for {room}: score it with the head split over N processes "
+            f"(horovodrun -np N hvd-train evaluate --model-dir {folder} ...), each holding 1/N of it, "
+            "or use a host with more memory."
+        )
+    outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(features.output)
+    model = keras.Model(features.inputs, outputs, name=features.name)
+    layer = model.get_layer(HEAD_LAYER)
+    for variable, name in ((layer.kernel, "kernel"), (layer.bias, "bias")):
+        variable.assign(np.load(head_files.path_of(folder, name), mmap_mode="r"))
+    return model
+
+
+def _check_head(model_dir: str, classes: int) -> None:
+    """Refuses head arrays that cannot be read, or that hold another number of classes than the labels."""
+    import numpy as np
+
+    for name in HEAD_ARRAYS:
+        path = head_files.path_of(model_dir, name)
+        try:
+            found = np.load(path, mmap_mode="r").shape[-1]
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot read {path} ({e}); train again into {model_dir} to write it again.") from None
+        if found != classes:
+            raise UserError(
+                f"{os.path.join(model_dir, LABELS)} names {classes} classes but {path} holds {found}: they are not "
+                f"of the same run; train again into {model_dir} to write them together."
+            )
 
 
 def _check_written_together(model_dir: str) -> None:
@@ -93,6 +164,6 @@ def _check_written_together(model_dir: str) -> None:
     if changed:
         raise UserError(
             f"{' and '.join(changed)} in {model_dir} {'is' if len(changed) == 1 else 'are'} not what its run wrote "
-            f"with model.keras (summary.json records other digests): the files are of different runs or were "
+            f"with the model (summary.json records other digests): the files are of different runs or were "
             f"edited; train again into {model_dir} (the same command resumes and writes them together)."
         )

@@ -28,11 +28,11 @@ from hvd_train.log import get_logger
 from hvd_train.model import compute
 from hvd_train.model.catalogue import build_model
 from hvd_train.model.network import Net
-from hvd_train.model.sharded_net import stage_head
+from hvd_train.model.sharded_net import features_view, stage_head
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
-from hvd_train.results.inference import CONFIG, LABELS, MODEL, model_files
-from hvd_train.training import early_stop, epoch_end
+from hvd_train.results.inference import CONFIG, FEATURES, LABELS, MODEL, model_files
+from hvd_train.training import early_stop, epoch_end, split_head
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
@@ -150,7 +150,18 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     def build():
         return build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
 
+    form, name = "whole", MODEL
     if head is not None:
+        form, why = split_head.save_form(cfg, net, len(job.classes))
+        log.info("%s", why)
+    if form == "files":  # the network up to the head, and the head's arrays beside it
+        name = FEATURES
+        split_head.remove_other_form(cfg.run.output, form)
+        split_head.move_head_files(head, cfg.run.output)
+        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        if job.precision != "fp32":
+            export = compute.float32_copy(net.model, lambda: features_view(build()))
+    elif head is not None:
         with compute.float32_policy():
             export = net.full_model(build, head)
     elif job.precision == "fp32":
@@ -162,7 +173,10 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
         )
     # The model written beside its place first, then what describes it, then the model moved into
     # place: the three change together, within a rename of each other.
-    _save_model_atomically(export, os.path.join(cfg.run.output, MODEL), before_rename=lambda: describe(job, force=True))
+    _save_model_atomically(export, os.path.join(cfg.run.output, name), before_rename=lambda: describe(job, force=True))
+    if form == "whole":
+        split_head.remove_other_form(cfg.run.output, form)
+    summary["saved_model"] = form
     summary["model_files"] = model_files(cfg.run.output)
     files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
     if final is not None:

@@ -1,17 +1,20 @@
-"""The stages of a run that split its head (``--head-parallel``): its groups, and a resume from an unsplit run."""
+"""The stages of a run that split its head (``--head-parallel``): its groups, a resume from an unsplit run, and
+the saved model's form (``--head-save``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from hvd_train.compat import tf
 from hvd_train.config import TrainConfig
-from hvd_train.distributed import groups
+from hvd_train.distributed import groups, memory
 from hvd_train.distributed.context import Context
 from hvd_train.distributed.groups import HeadGroups
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.training import checkpoints
+from hvd_train.results.inference import FEATURES, HEAD_ARRAYS, MODEL
+from hvd_train.training import checkpoints, head_files
 from hvd_train.training.job import Job
 
 log = get_logger("train")
@@ -62,3 +65,42 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
             classes // parallel,
         )
     return groups.register(groups.Layout(ctx.size, parallel), ctx.rank)
+
+
+def choose_save(asked: str, needed: int, room: memory.Room) -> tuple[str, str]:
+    """How rank 0 saves a split head, ``whole`` or ``files`` (``--head-save``), and why, in one line.
+
+    Args:
+        needed: bytes rank 0 needs to build and write the whole model.
+        room: what rank 0 may still allocate.
+    """
+    size = f"{needed / 2**30:.2f} GiB"
+    if asked == "whole" or (asked == "auto" and needed <= room.bytes):
+        why = "--head-save whole" if asked == "whole" else f"saving it takes {size}, rank 0 has room for {room}"
+        return "whole", f"the model saved whole in {MODEL} ({why})"
+    why = "--head-save files" if asked == "files" else f"saving it whole takes {size}, rank 0 has room for {room} only"
+    return "files", (
+        f"the model saved as {FEATURES} and the head's arrays ({why}); `hvd-train evaluate` under horovodrun -np N "
+        "scores it with the head split N ways"
+    )
+
+
+def save_form(cfg: TrainConfig, net, classes: int) -> tuple[str, str]:
+    """``choose_save`` for this run: the whole model is built, then written (a copy of its weights)."""
+    width = int(net.kernel.shape[0])
+    needed = 2 * 4 * ((width + 1) * classes + net.model.count_params())
+    return choose_save(cfg.horovod.head_save, needed, memory.room())
+
+
+def move_head_files(staging: str, output: str) -> None:
+    """The kernel and bias gathered into ``staging`` moved into ``output``, beside ``features.keras``."""
+    for name in HEAD_ARRAYS:
+        os.replace(head_files.path_of(staging, name), head_files.path_of(output, name))
+
+
+def remove_other_form(output: str, form: str) -> None:
+    """The files of the other form of saved model, from an earlier run into ``output``."""
+    stale = [MODEL] if form == "files" else [FEATURES, *(head_files.path_of("", n) for n in HEAD_ARRAYS)]
+    for name in stale:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output, name))

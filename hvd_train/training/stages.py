@@ -32,6 +32,7 @@ from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model import compute
 from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve_bn
+from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.sharded_net import ShardedNet, features_view, head_arrays
 from hvd_train.training import checkpoints, head_files, lr_find
@@ -163,10 +164,12 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
 
     with Ticker(log, f"building {job.spec.name}"):
         base = ctx.agree(build, name="build_model") if collective else build()
-    if head is not None:
+    if head is not None:  # its shard starts from its columns of the same head
         return ShardedNet(
             base, cfg, cfg.run.seed, ctx.rank, job.precision, head, len(job.classes), class_counts=job.train.counts()
         )
+    layer = base.get_layer(HEAD_LAYER)  # the head every layout starts from (a split run: its columns of it)
+    start_head(layer.kernel, layer.bias, 0, len(job.classes), cfg.run.seed)
     return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision, class_counts=job.train.counts())
 
 

@@ -29,7 +29,7 @@ ctx = start.init(threads_per_rank=1, process_sets=True)
 import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from hvd_train.model.sharded_head import head_scores, head_step  # noqa: E402
+from hvd_train.model.sharded_head import head_scores, head_step, peers_average  # noqa: E402
 from hvd_train.training import head_files  # noqa: E402
 
 head_files.CHUNK_BYTES = 2 * 6 * 4  # two columns of the 6-feature kernel a round: the gather takes several
@@ -66,14 +66,8 @@ def check(groups, smoothing):
             features = tf.tanh(tf.matmul(x, A))
         step = head_step(features, y, w, kernel, bias, first=first, classes=CLASSES, groups=groups, smoothing=smoothing)
         d_a = hvd.allreduce(tape.gradient(features, A, output_gradients=step.d_features), op=hvd.Average)
-        return hvd.allreduce(step.loss, op=hvd.Average), d_a, step.d_kernel, step.d_bias, step.predicted
-
-    @tf.function
-    def scaled_features(A, kernel, bias, x, y, w):  # under a loss scale: the features' gradients of the scaled loss
-        features = tf.tanh(tf.matmul(x, A))
-        kw = dict(first=first, classes=CLASSES, groups=groups, smoothing=smoothing)
-        plain = head_step(features, y, w, kernel, bias, **kw).d_features
-        return plain, head_step(features, y, w, kernel, bias, scale=1024.0, **kw).d_features
+        d_k, d_b = peers_average([step.d_kernel, step.d_bias], groups)
+        return hvd.allreduce(step.loss, op=hvd.Average), d_a, d_k, d_b, step.predicted
 
     @tf.function
     def sharded_scores(A, kernel, bias, x, y):
@@ -115,8 +109,6 @@ def check(groups, smoothing):
         "argmax": argmax.numpy().tolist(),
         "head_gradient_nonzero": float(np.max(np.abs(d_k))),
     }
-    plain, scaled = scaled_features(A, kernel, bias, x, y, w)
-    result["scaled"] = relative(scaled, 1024.0 * plain)
     # Held-out scores over all classes: the loss of each row, its best class and its top 5.
     (loss_s, top1_s, top5_s), (loss_d, top1_d, top5_d) = (
         sharded_scores(A, kernel, bias, x, y),
