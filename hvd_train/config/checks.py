@@ -120,7 +120,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     if h.head_parallel:
         for flag, value, used, why in (
-            ("--elastic", True, h.elastic, "its groups of workers are fixed at the start"),
+            ("--elastic", True, h.elastic, "its Horovod process sets do not survive an elastic reset (horovod#4021)"),
             ("--xla", c.xla, c.xla == "jit", "the split head's step exchanges features inside the step"),
             ("--mixup", d.mixup, d.mixup, "the split head takes one label a row, not mixed targets"),
             ("--cutmix", d.cutmix, d.cutmix, "the split head takes one label a row, not mixed targets"),
