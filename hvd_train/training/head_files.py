@@ -21,8 +21,11 @@ import numpy as np
 from hvd_train.distributed.groups import HeadGroups, shard_range
 from hvd_train.errors import UserError
 
-# Bytes of columns each rank sends in one round of the gather.
-CHUNK_BYTES = 64 * 2**20
+# Bytes of columns each rank sends in one round of the gather (and rank 0 in one of the broadcast). Each
+# round must pass within Horovod's Gloo timeout (30 s) even on a slow link: a 51 MB round once stalled
+# for minutes on a loopback connection whose send buffer had shrunk to one 64 KB segment (about 1.5 MB/s,
+# each segment waiting for a delayed ACK), where rounds of 2 MB took at most 2.2 s.
+CHUNK_BYTES = 2 * 2**20
 
 
 def columns_per_chunk(shard: np.ndarray) -> int:
