@@ -81,19 +81,25 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def cgroup_quota() -> float | None:
-    """The smallest CPU quota (in CPUs) over this process's cgroups, v1 or v2; None when unlimited."""
+def _cgroup_paths() -> dict[str, str]:
+    """This process's cgroup path by hierarchy: ``"v2"``, or each v1 controller's name (none if unreadable)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
-        return None
-    paths = {}  # "v2" or each v1 controller -> path
+        return {}
+    paths = {}
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             paths["v2"] = path
         for c in controllers.split(","):
             paths[c] = path
+    return paths
+
+
+def cgroup_quota() -> float | None:
+    """The smallest CPU quota (in CPUs) over this process's cgroups, v1 or v2; None when unlimited."""
+    paths = _cgroup_paths()
     quotas = []
     for root, point, fstype, options in _mounts():
         if fstype == "cgroup2" and "v2" in paths:

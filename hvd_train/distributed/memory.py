@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hvd_train.distributed.cpus import _folders, _mounts, _read
+from hvd_train.distributed.cpus import _cgroup_paths, _folders, _mounts, _read
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,7 @@ def _host() -> int | None:
 
 def _cgroup_rooms() -> list[int]:
     """What each of this process's cgroups with a memory limit leaves, v1 or v2."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    paths = {}
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            paths["v2"] = path
-        for c in controllers.split(","):
-            paths[c] = path
+    paths = _cgroup_paths()
     rooms = []
     for root, point, fstype, options in _mounts():
         if fstype == "cgroup2" and "v2" in paths:
