@@ -152,7 +152,6 @@ class ShardedNet(Net):
                     folder if is_root else None, name, variable.numpy(), self.first, self.classes
                 )
             )
-        self.head_optimizer.iterations.assign(self.optimizer.iterations)
 
     def full_model(self, build, folder: str) -> keras.Model:
         """The ordinary model, the whole head loaded from ``folder`` (``gather_head``): rank 0, to save."""
@@ -160,9 +159,7 @@ class ShardedNet(Net):
         for layer in self.model.layers:
             if layer.weights:
                 full.get_layer(layer.name).set_weights(layer.get_weights())
-        head = full.get_layer(HEAD_LAYER)
-        for variable, name in ((head.kernel, "kernel"), (head.bias, "bias")):
-            variable.assign(np.load(head_files.path_of(folder, name), mmap_mode="r"))
+        head_files.load_whole(full.get_layer(HEAD_LAYER), folder)
         return full
 
     def score_batch(self, images, labels, k: int):

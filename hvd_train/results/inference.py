@@ -111,7 +111,6 @@ def whole_model(features, folder: str, classes: int):
     Raises:
         UserError: the whole model needs more memory than this process has.
     """
-    import numpy as np
 
     from hvd_train.distributed import memory
     from hvd_train.model.catalogue import HEAD_LAYER
@@ -128,9 +127,7 @@ def whole_model(features, folder: str, classes: int):
         )
     outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(features.output)
     model = keras.Model(features.inputs, outputs, name=features.name)
-    layer = model.get_layer(HEAD_LAYER)
-    for variable, name in ((layer.kernel, "kernel"), (layer.bias, "bias")):
-        variable.assign(np.load(head_files.path_of(folder, name), mmap_mode="r"))
+    head_files.load_whole(model.get_layer(HEAD_LAYER), folder)
     return model
 
 

@@ -57,6 +57,12 @@ def read_columns(folder: str, name: str, first: int, count: int, classes: int) -
     return np.array(whole[..., first : first + count])
 
 
+def load_whole(layer, folder: str) -> None:
+    """A Dense layer's kernel and bias set to the whole head saved in ``folder``, read memory-mapped."""
+    for variable, name in ((layer.kernel, "kernel"), (layer.bias, "bias")):
+        variable.assign(np.load(path_of(folder, name), mmap_mode="r"))
+
+
 def has_head(folder: str) -> bool:
     """Whether checkpoint ``folder`` was written by a split run (its head in files)."""
     return os.path.exists(path_of(folder, "kernel"))
