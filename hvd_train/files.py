@@ -41,6 +41,13 @@ def replacing(path: str, mode: str = "w", sync: bool = False):
         raise
 
 
+def cache_base() -> str:
+    """hvd_train's cache folder: ``$HVD_TRAIN_CACHE``, else ``hvd_train`` in the user's cache folder."""
+    return os.environ.get("HVD_TRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd_train"
+    )
+
+
 def write_text(path: str, text: str) -> None:
     """Writes ``text`` to ``path`` through a temporary file beside it and a rename."""
     with replacing(path) as f:
@@ -63,7 +70,15 @@ def write_json(path: str, obj) -> None:
 
 def sha256(path: str) -> str:
     """The SHA-256 of the file ``path``, in hex."""
-    h = hashlib.sha256()
+    return _digest(path, hashlib.sha256())
+
+
+def md5(path: str) -> str:
+    """The MD5 of the file ``path``, in hex (to compare with an S3 ETag, not as a guard)."""
+    return _digest(path, hashlib.md5(usedforsecurity=False))
+
+
+def _digest(path: str, h) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)

@@ -272,7 +272,7 @@ def test_no_save_ever_moves_or_replaces_a_complete_checkpoint(tmp_path):
     # rename("a", "b"), renameat(AT_FDCWD, "a", AT_FDCWD, "b"), renameat2(..., 0)
     renames = re.findall(r'rename(?:at2?)?\((?:\w+, )?"([^"]+)", (?:\w+, )?"([^"]+)"', log.read_text())
     folder = str(tmp_path / "checkpoints")
-    moved = [(a, b) for a, b in renames if os.path.dirname(a) == folder and checkpoints._order(os.path.basename(a))]
+    moved = [(a, b) for a, b in renames if os.path.dirname(a) == folder and checkpoints.order(os.path.basename(a))]
     assert not moved, f"a complete checkpoint was renamed: {moved}"
     replaced = [b for _, b in renames if os.path.dirname(b) == folder and os.path.basename(b) == "epoch-0002"]
     assert len(replaced) == 1, f"epoch-0002 was written {len(replaced)} times"

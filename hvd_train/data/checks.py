@@ -29,6 +29,7 @@ import os
 
 import numpy as np
 
+from hvd_train import files
 from hvd_train.data.folder import PathList
 from hvd_train.log import Ticker, get_logger
 
@@ -91,10 +92,7 @@ def suspects(paths: list[str], what: str, workers: int = 8) -> list[str]:
 
 def cache_folder() -> str:
     """Where full-check verdicts are kept: ``$HVD_TRAIN_CACHE``, else the user's cache folder."""
-    base = os.environ.get("HVD_TRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hvd_train"
-    )
-    return os.path.join(base, "image-checks")
+    return os.path.join(files.cache_base(), "image-checks")
 
 
 class CheckCache:

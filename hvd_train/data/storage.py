@@ -204,7 +204,7 @@ class S3Store(Store):
                 Bucket=self.bucket, Prefix=prefix, **kwargs
             )
         except Exception as e:
-            raise self._error(e, "list", prefix, flag) from None
+            raise self.error(e, "list", prefix, flag) from None
 
     def _objects(self, page) -> list[tuple[str, int]]:
         """``(key relative to the prefix, size)`` of each object of one listing page."""
@@ -257,14 +257,14 @@ class S3Store(Store):
         try:
             self.client.upload_fileobj(io.BytesIO(data), self.bucket, key)
         except Exception as e:
-            raise self._error(e, "write", key) from None
+            raise self.error(e, "write", key) from None
 
     def delete(self, rel: str) -> None:
         key = self.key(rel)
         try:
             self.client.delete_object(Bucket=self.bucket, Key=key)
         except Exception as e:
-            raise self._error(e, "delete", key) from None
+            raise self.error(e, "delete", key) from None
 
     def exists(self, rel: str) -> bool:
         key = self.key(rel)
@@ -272,15 +272,15 @@ class S3Store(Store):
             self.client.head_object(Bucket=self.bucket, Key=key)
             return True
         except Exception as e:
-            if _code(e) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return False
-            raise self._error(e, "read", key) from None
+            raise self.error(e, "read", key) from None
 
-    def _error(self, e: Exception, action: str, key: str, flag: str = "") -> UserError:
+    def error(self, e: Exception, action: str, key: str, flag: str = "") -> UserError:
         return UserError(s3_message(e, action, self.bucket, key, self.endpoint, flag))
 
 
-def _code(e: Exception) -> str:
+def error_code(e: Exception) -> str:
     response = getattr(e, "response", None) or {}
     return str(response.get("Error", {}).get("Code", ""))
 
@@ -291,7 +291,7 @@ def s3_message(e: Exception, action: str, bucket: str, key: str, endpoint: str, 
 
     where = f"s3://{bucket}/{key}"
     via = f" (endpoint {endpoint})"
-    code = _code(e)
+    code = error_code(e)
     if isinstance(e, bx.NoCredentialsError):
         return (
             f"no AWS credentials found to {action} {where}; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "

@@ -89,7 +89,7 @@ def epoch_end_name(epochs: int) -> str:
     return f"epoch-{epochs:04d}"
 
 
-def _order(name: str) -> tuple[int, int, int] | None:
+def order(name: str) -> tuple[int, int, int] | None:
     """Where checkpoint ``name`` sorts: (epoch, step, generation); None for other names."""
     match = _NAME.match(name)
     if not match:
@@ -100,9 +100,9 @@ def _order(name: str) -> tuple[int, int, int] | None:
 def _free_name(root: str, name: str) -> str:
     """``name``, or its next generation (``name.2``, ...) when a checkpoint of that name exists."""
     generations = [
-        order[2]
+        place[2]
         for other in (os.listdir(root) if os.path.isdir(root) else [])
-        if (other == name or other.startswith(name + ".")) and (order := _order(other))
+        if (other == name or other.startswith(name + ".")) and (place := order(other))
     ]
     return f"{name}.{max(generations) + 1}" if generations else name
 
@@ -227,7 +227,7 @@ def candidates(output: str) -> list[str]:
     root = folder(output)
     if not os.path.isdir(root):
         return []
-    found = [(order, os.path.join(root, name)) for name in os.listdir(root) if (order := _order(name))]
+    found = [(place, os.path.join(root, name)) for name in os.listdir(root) if (place := order(name))]
     return [path for _, path in sorted(found, reverse=True)]
 
 
@@ -364,9 +364,9 @@ def restore(found: Found, model, optimizer, partial: bool = False) -> dict[str, 
 
 def of_epoch_end(output: str, epochs: int) -> Found | None:
     """The newest intact checkpoint written after ``epochs`` whole epochs (any generation), or None."""
-    want = _order(epoch_end_name(epochs))[:2]
+    want = order(epoch_end_name(epochs))[:2]
     for path in candidates(output):
-        if _order(os.path.basename(path))[:2] == want:
+        if order(os.path.basename(path))[:2] == want:
             try:
                 return _verify_again_if_unreadable(path)
             except ValueError as e:
@@ -388,7 +388,7 @@ def _prune(root: str, written: str, keep: int, best: str | None = None) -> None:
     for path in newer:
         log.info("removing checkpoint %s: it is from before the resume to an earlier one", path)
     if best is not None:
-        kept = [path for path in older if _order(os.path.basename(path))[:2] == _order(best)[:2]][:1]
+        kept = [path for path in older if order(os.path.basename(path))[:2] == order(best)[:2]][:1]
         older = [path for path in older if path not in kept]
     for path in newer + older[max(0, keep - 1) :]:
         shutil.rmtree(path, ignore_errors=True)
