@@ -7,6 +7,10 @@ break off, which botocore's own retries do not cover. A read (key and
 range) is broken once at most: its retry goes through, where a count alone
 could land on the same read attempt after attempt while other reads run
 beside it. Everything else passes through unchanged.
+
+Uploads can be cut too (``cut_uploads``): the next N object writes (a PUT of
+a key, whole or a part) are read and their connection shut with no answer,
+as when the network drops mid-upload.
 """
 
 from __future__ import annotations
@@ -22,12 +26,17 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length"}
 
 
 class CuttingProxy:
-    """``url`` forwards to ``upstream``; ``reads`` object reads seen, ``cuts`` of them broken."""
+    """``url`` forwards to ``upstream``; ``reads`` object reads seen, ``cuts`` of them broken.
 
-    def __init__(self, upstream: str, every: int, min_bytes: int = 1024):
+    ``cut_uploads``: how many of the next object writes to cut (-1: every one, until set to 0),
+    once ``let_through`` more have passed; ``upload_cuts``: how many were.
+    """
+
+    def __init__(self, upstream: str, every: int = 0, min_bytes: int = 1024):
         target = urllib.parse.urlsplit(upstream)
         self.every, self.min_bytes = every, min_bytes
         self.reads = self.cuts = 0
+        self.cut_uploads = self.upload_cuts = self.let_through = 0
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
@@ -41,6 +50,10 @@ class CuttingProxy:
             def forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if self.command == "PUT" and proxy._cut_upload(self.path):
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
                     # The Host header goes as the client signed it.
@@ -76,10 +89,23 @@ class CuttingProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, name="s3-proxy", daemon=True)
         self._thread.start()
 
+    def _cut_upload(self, path: str) -> bool:
+        if not urllib.parse.urlsplit(path).path.lstrip("/").partition("/")[2]:
+            return False  # a bucket's, not an object's
+        with self._lock:
+            if not self.cut_uploads:
+                return False
+            if self.let_through:
+                self.let_through -= 1
+                return False
+            self.cut_uploads -= self.cut_uploads > 0
+            self.upload_cuts += 1
+            return True
+
     def _cut_this(self, path: str, byte_range: str, size: int) -> bool:
         parts = urllib.parse.urlsplit(path)
         bucket, _, key = parts.path.lstrip("/").partition("/")
-        if not key or "list-type" in parts.query or size < self.min_bytes:
+        if not self.every or not key or "list-type" in parts.query or size < self.min_bytes:
             return False
         with self._lock:
             self.reads += 1

@@ -146,3 +146,9 @@ def test_output_inside_data_is_refused(tmp_path):
     with pytest.raises(UserError, match="inside --data"):
         config.from_sources(parse(["--data", str(tmp_path), "--output", str(tmp_path)]))
     config.from_sources(parse(["--data", str(tmp_path / "d"), "--output", str(tmp_path / "d2")]))
+
+
+def test_an_elastic_job_refuses_an_output_in_s3():
+    with pytest.raises(UserError, match="`--output` is invalid.*rank 0 may change to a host without its staging"):
+        config.from_sources(parse(["--data", "d", "--output", "s3://b/runs/x", "--elastic"]))
+    assert config.from_sources(parse(["--data", "d", "--output", "s3://b/runs/x"])).run.output == "s3://b/runs/x"

@@ -40,8 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.model.sharded_net import SplitScorer
     from hvd_train.results.evaluation import evaluate, evaluate_sharded
     from hvd_train.results.inference import load_trained
+    from hvd_train.training import remote
 
     ctx = start.init()
+    s3 = S3Options(endpoint=args.s3_endpoint)
+    # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
+    opened = ctx.agree(lambda: remote.open_run(args.model_dir, s3), name="open_run")
+    args.model_dir, mirror = opened
     # A head saved as files is split over the ranks (each holds its columns), whole in one process.
     trained = ctx.agree(lambda: load_trained(args.model_dir, split=ctx.size > 1), name="load_model")
     if trained.head is not None and len(trained.classes) < ctx.size:
@@ -50,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
             "split its head: evaluate it with fewer processes.",
             agreed=True,
         )
-    s3 = S3Options(endpoint=args.s3_endpoint)
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)
     held_out = eval_dataset(
         images,
@@ -76,9 +80,15 @@ def run(args: argparse.Namespace) -> int:
             f"fix or remove it, or pass --on-bad-image skip.",
             agreed=True,
         )
+
     # Horovod: the other ranks wait for rank 0's report, so that every rank ends together (a
     # launcher that ends a job soon after its first rank ends, as srun --wait, cuts nothing short).
-    ctx.on_root(lambda: _report(args, ctx, trained, images, result, s3), name="evaluate_report")
+    def report() -> None:
+        _report(args, ctx, trained, images, result, s3)
+        if mirror is not None:
+            mirror.push_outputs()
+
+    ctx.on_root(report, name="evaluate_report")
     return 0
 
 

@@ -81,11 +81,13 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.log import get_logger
     from hvd_train.results.export import folder as export_folder
     from hvd_train.results.inference import load_trained
+    from hvd_train.training import remote
 
     log = get_logger("export")
     ctx = start.init()
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
+    args.run_dir, mirror = remote.open_run(args.run_dir)  # a run in S3: its local copy, the export uploaded
     trained = load_trained(args.run_dir)
     summary = read_json(os.path.join(args.run_dir, "summary.json"), {})
     folder = args.output or os.path.join(args.run_dir, "export")
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         check,
     )
     log.info("exported %s to %s", ", ".join(e["path"] for e in manifest["formats"]), os.path.abspath(folder))
+    if mirror is not None:
+        mirror.push_outputs()
     if "check" not in manifest:
         return 0
     failed = 0

@@ -35,6 +35,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         cfg = config.from_sources(args)
+        if cfg.run.output.startswith("s3://"):
+            raise UserError(
+                f"lr-find writes its plot and table to a folder; give --output a folder, not {cfg.run.output} "
+                "(train --base-lr auto runs the same test for a run whose --output is in S3)."
+            )
         if not (0 < args.start_lr < args.end_lr) or args.steps < 10:
             raise UserError(
                 f"the sweep needs 0 < --start-lr < --end-lr and --steps >= 10; "

@@ -21,7 +21,11 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from hvd_train.log import get_logger
     from hvd_train.results import report_page
+    from hvd_train.training import remote
 
-    path = report_page.write(args.run_dir, args.output)
+    run_dir, mirror = remote.open_run(args.run_dir)
+    path = report_page.write(run_dir, args.output)
+    if mirror is not None:  # a run in S3: the page goes up beside it, unless written elsewhere
+        mirror.push_outputs()
     get_logger().info("wrote %s", path)
     return 0

@@ -68,6 +68,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         r.track,
         "tracking an elastic job (whose rank 0 may change) is not supported yet: drop --track or --elastic",
     )
+    _require(
+        not (r.output.startswith("s3://") and h.elastic),
+        "--output",
+        r.output,
+        "an elastic job's rank 0 may change to a host without its staging folder: give --output a folder every "
+        "host reaches, or drop --elastic",
+    )
     _require(0.0 <= d.augment_magnitude <= 10.0, "--augment-magnitude", d.augment_magnitude, "use 0 to 10, e.g. 9")
     _require(0.0 <= o.ema < 1.0, "--ema", o.ema, "use a decay in [0, 1), e.g. 0.999 (0: off)")
     for flag, alpha in (("--mixup", d.mixup), ("--cutmix", d.cutmix)):

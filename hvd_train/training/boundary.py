@@ -21,7 +21,7 @@ from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import stage_head
-from hvd_train.training import checkpoints
+from hvd_train.training import checkpoints, remote
 from hvd_train.training.job import History, Job
 from hvd_train.training.preemption import Preempted, StopRequests
 from hvd_train.training.state import TrainState
@@ -131,7 +131,8 @@ class Boundary:
         path = self.save_checkpoint(f"stopped by {by}")
         raise Preempted(
             f"stopped by {by} in epoch {state.epoch + 1}/{self.cfg.run.epochs} after step {state.epoch_steps} "
-            f"({state.samples} of {state.total} images of the epoch); checkpoint {path}; "
+            f"({state.samples} of {state.total} images of the epoch); "
+            f"checkpoint {remote.location(self.cfg.run.output, path)}; "
             f"rerun the same command to continue."
         )
 
@@ -173,7 +174,7 @@ class Boundary:
         head = stage_head(self.net, ctx, self.cfg.run.output)
 
         def write() -> str:
-            return checkpoints.save(
+            path = checkpoints.save(
                 self.cfg.run.output,
                 checkpoints.name_for(state),
                 self.net.model,
@@ -184,6 +185,10 @@ class Boundary:
                 self.cfg.run.keep_checkpoints,
                 extra=head,
             )
+            mirror = remote.of(self.cfg.run.output)
+            if mirror is not None:  # an S3 --output: the checkpoint goes up before the run goes on
+                mirror.push_checkpoint(path)
+            return path
 
         path = ctx.on_root(write, name="checkpoint")
         self._last_checkpoint = (state.step, time.monotonic())

@@ -35,7 +35,7 @@ from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.sharded_net import ShardedNet, features_view, head_arrays
-from hvd_train.training import checkpoints, head_files, lr_find
+from hvd_train.training import checkpoints, head_files, lr_find, remote
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
 from hvd_train.training.split_head import head_groups, unsplit_head
@@ -47,6 +47,8 @@ log = get_logger("train")
 def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
     """Rank 0 makes the output folder, or says why it cannot.
 
+    An S3 ``--output``: its staging folder (a cache), and a prefix that can be listed and written;
+    a resume makes the staging folder a copy of the run in the prefix (``remote.Mirror.pull``).
     Nothing of an earlier run changes until training starts (``start_state``):
     a mistyped ``--data`` must not cost it its checkpoints, nor its model the
     ``labels.json`` and ``run_config.yaml`` that describe it.
@@ -60,6 +62,13 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
             probe.close()
         except OSError as e:
             raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
+        mirror = remote.of(out)
+        if mirror is not None:
+            mirror.check()
+            if cfg.run.resume:
+                mirror.pull()
+            else:
+                mirror.clear()
 
     ctx.on_root(prepare, name="prepare_output")
 
@@ -202,6 +211,8 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         out = cfg.run.output
         if not cfg.run.resume:
             removed = checkpoints.remove_all(out)
+            if remote.of(out) is not None:
+                removed = max(removed, remote.of(out).remove_checkpoints())
             if removed:
                 log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
             return None

@@ -1,0 +1,132 @@
+"""A run's --output in S3 (``training.remote``), in one process against the real test S3 server.
+
+The whole story (a spot notice, a network cut, a resume on another machine) is a real job in
+test_s3_jobs.py; here, the parts: multipart uploads, manifests, pruning, a failed upload, a pull.
+"""
+
+import dataclasses
+import os
+import uuid
+
+import numpy as np
+import pytest
+
+from hvd_train.compat import keras
+from hvd_train.data.storage import S3Options
+from hvd_train.errors import UserError
+from hvd_train.training import checkpoints, remote
+from hvd_train.training.state import TrainState
+
+from s3proxy import CuttingProxy
+
+OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
+
+
+@pytest.fixture
+def prefix(s3_server, monkeypatch):
+    """A fresh bucket and the test server as the process's AWS environment: ``(url, bucket, client)``."""
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"run-{uuid.uuid4().hex[:12]}"
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/runs/a/", bucket, client
+
+
+def stored(client, bucket, prefix="runs/a/") -> dict[str, str]:
+    """``{path below the prefix: ETag}``."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"][len(prefix) :]: o["ETag"].strip('"') for page in pages for o in page.get("Contents", [])}
+
+
+def save(staging, step, model, optimizer, keep=2) -> str:
+    state = TrainState(seed=1, world_size=1, batch_size=2, global_batch=2, total=8, step=step, epoch_steps=step)
+    rows = {"rows": np.zeros((1, 3), np.float32)}
+    return checkpoints.save(str(staging), checkpoints.name_for(state), model, optimizer, state, rows, {}, keep)
+
+
+@pytest.fixture
+def net():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    optimizer = keras.optimizers.SGD(0.1)
+    return model, optimizer
+
+
+def test_the_staging_folder_is_named_after_the_prefix_and_odd_prefixes_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path))
+    assert remote.staging_folder("s3://b/runs/x/") == str(tmp_path / "runs" / "b" / "runs" / "x")
+    for url in ("s3://b", "s3://b/", "s3://b/runs//x", "s3://b/runs/../x", "s3:///runs/x"):
+        with pytest.raises(UserError, match="must name a bucket and a prefix"):
+            remote.staging_folder(url)
+
+
+def test_checkpoints_go_up_manifest_last_are_pruned_and_a_failed_upload_keeps_the_last_complete_one(
+    prefix, net, tmp_path, s3_server
+):
+    url, bucket, client = prefix
+    staging = tmp_path / "one"
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror.check()
+    model, optimizer = net
+    (staging / "tensorboard").mkdir(parents=True)
+    (staging / "tensorboard" / "events").write_bytes(os.urandom(100))
+    # A file above PART_BYTES goes up in parts: its ETag is not an MD5 but "<md5 of the parts' md5s>-<parts>".
+    (staging / "model.keras").write_bytes(os.urandom(remote.PART_BYTES + 1000))
+    names = []
+    for step in (1, 2, 3):
+        names.append(os.path.basename(save(staging, step, model, optimizer)))
+        assert mirror.push_checkpoint(str(staging / "checkpoints" / names[-1]))
+    keys = stored(client, bucket)
+    assert keys["model.keras"].endswith("-2") and "tensorboard/events" in keys
+    in_prefix = {k.split("/")[1] for k in keys if k.startswith("checkpoints/")}
+    assert in_prefix == set(names[1:])  # --keep-checkpoints 2, as on disk
+    assert mirror.uploads.bytes > remote.PART_BYTES and mirror.uploads.retried == 0
+    # The network goes down after two files of the 4th checkpoint: it is not complete in the prefix
+    # (no manifest), and the run is told so.
+    proxy = CuttingProxy(s3_server.url)
+    proxy.cut_uploads, proxy.let_through = -1, 2
+    cut = remote.Mirror(url, str(staging), dataclasses.replace(OPTIONS, endpoint=proxy.url))
+    cut._sent = dict(mirror._sent)  # the same run's mirror, its outputs up already
+    try:
+        fourth = os.path.basename(save(staging, 4, model, optimizer))
+        assert not cut.push_checkpoint(str(staging / "checkpoints" / fourth))
+    finally:
+        proxy.stop()
+    assert cut.uploads.retried == 1 and cut.uploads.failed_checkpoints == 1 and proxy.upload_cuts >= 4
+    keys = stored(client, bucket)
+    assert len([k for k in keys if k.startswith(f"checkpoints/{fourth}/")]) == 2, sorted(keys)
+    assert f"checkpoints/{fourth}/{checkpoints.STATE_FILE}" not in keys
+    # Another machine: the prefix's newest complete checkpoint (the 3rd), verified, and the files
+    # beside it, the large one whole.
+    other = tmp_path / "two"
+    pulled = remote.Mirror(url, str(other), OPTIONS)
+    assert pulled.pull() == names[2]
+    assert checkpoints.latest(str(other)).path == str(other / "checkpoints" / names[2])
+    assert (other / "model.keras").read_bytes() == (staging / "model.keras").read_bytes()
+    # The machine that could not upload resumes from the prefix too: its 4th checkpoint is dropped.
+    assert remote.Mirror(url, str(staging), OPTIONS).pull() == names[2]
+    assert [os.path.basename(p) for p in checkpoints.candidates(str(staging))] == [names[2]]
+
+
+def test_a_checkpoint_without_its_manifest_or_with_a_part_cut_short_is_never_resumed_from(prefix, net, tmp_path):
+    url, bucket, client = prefix
+    staging = tmp_path / "one"
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    model, optimizer = net
+    good = os.path.basename(save(staging, 1, model, optimizer))
+    assert mirror.push_checkpoint(str(staging / "checkpoints" / good))
+    parts = {k: client.get_object(Bucket=bucket, Key=f"runs/a/{k}")["Body"].read() for k in stored(client, bucket)}
+    for newer, cut_short in (("epoch-0003", None), ("epoch-0002", "local.npz")):
+        for key, body in parts.items():
+            part = key.split("/")[-1]
+            if newer == "epoch-0003" and part == checkpoints.STATE_FILE:
+                continue  # an upload that stopped before its manifest
+            body = body[: len(body) // 2] if part == cut_short else body
+            client.put_object(Bucket=bucket, Key=f"runs/a/checkpoints/{newer}/{part}", Body=body)
+    other = remote.Mirror(url, str(tmp_path / "two"), OPTIONS)
+    assert other.pull() == good
+    # Nothing complete in the prefix: a fresh start, with an empty staging folder.
+    for key in stored(client, bucket):
+        if key.endswith(checkpoints.STATE_FILE):
+            client.delete_object(Bucket=bucket, Key=f"runs/a/{key}")
+    assert other.pull() is None and os.listdir(tmp_path / "two") == []
