@@ -1,7 +1,11 @@
 """Real ``horovodrun -np 2`` jobs that train from S3 (folder and shards) on a local S3-compatible server."""
 
+import http.server
+import json
+import re
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +19,7 @@ from conftest import (
     S3_SECRET,
     TINY,
     S3Server,
+    job_env,
     kill_group,
     launcher_command,
     output_of,
@@ -24,6 +29,9 @@ from conftest import (
     start,
 )
 from s3proxy import CuttingProxy
+
+SPOT_WATCH = Path(__file__).resolve().parents[1] / "launch" / "aws-spot-watch.sh"
+EXIT_PREEMPTED = 75
 
 # The jobs of two ranks run alone (multiprocess), and so do the module's runs, made in the setup
 # of the first test; the resume test runs processes of one rank, one after the other, beside another test.
@@ -236,3 +244,146 @@ def test_server_killed_mid_training_ends_every_rank_with_a_clear_error(textures,
     ), errors
     assert all("s3://doomed/train/" in e for e in errors), errors
     assert not (out / "checkpoints" / "epoch-0050").exists()
+
+
+class SpotMetadata:
+    """The instance metadata service (IMDSv2) of a spot machine on 127.0.0.1: a token, and the
+    interruption notice once ``notice`` is set."""
+
+    def __init__(self):
+        self.notice = False
+        metadata = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status: int, body: bytes = b"") -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self):
+                self.reply(200, b"token") if self.path == "/latest/api/token" else self.reply(404)
+
+            def do_GET(self):
+                asked = self.path == "/latest/meta-data/spot/instance-action"
+                if asked and metadata.notice and self.headers.get("X-aws-ec2-metadata-token") == "token":
+                    self.reply(200, b'{"action": "terminate", "time": "2026-11-29T12:00:00Z"}')
+                else:
+                    self.reply(404)
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def prefix_files(s3_server, bucket: str, prefix: str) -> dict[str, bytes]:
+    client = s3_server.client()
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])]  # fmt: skip
+    return {k[len(prefix) :]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def test_a_run_in_s3_stopped_by_a_spot_notice_resumes_on_another_machine_from_the_prefix_alone(
+    runs, bucket, s3_server, textures, tmp_path
+):
+    # Machine 1 trains with --output in S3 through a proxy. Once a checkpoint is complete in the
+    # prefix, the network drops every upload: the next checkpoint does not go up, and the run goes
+    # on. The network back, an interruption notice from the metadata service reaches
+    # launch/aws-spot-watch.sh, which stops the run: its checkpoint goes up before it ends (75).
+    done, _ = runs
+    prefix, key = f"s3://{bucket}/runs/spot", "runs/spot/"
+    samples = tmp_path / "samples"
+    data = ["--data", f"s3://{bucket}/folder/train/", "--val-data", f"s3://{bucket}/folder/val/"]
+    command = [*HVD_TRAIN, "train", *data, "--output", prefix, *OPTIONS, "--checkpoint-every", "2"]
+    command += ["--s3-max-attempts", "2", "--sample-log", samples, "--log-all-ranks"]
+    proxy, metadata = CuttingProxy(s3_server.url), SpotMetadata()
+    env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.url}
+    log = tmp_path / "machine-1.log"
+    first = subprocess.Popen(
+        [str(a) for a in command], stdout=subprocess.DEVNULL, stderr=open(log, "w"), stdin=subprocess.DEVNULL,
+        env=job_env(HVD_TRAIN_CACHE=str(tmp_path / "machine-1"), **env), start_new_session=True,
+    )  # fmt: skip
+    watcher = start(["bash", SPOT_WATCH, first.pid, "0.2"], HVD_TRAIN_IMDS=metadata.url)
+    try:
+        deadline = time.time() + 300
+
+        def wait_for(what, condition):
+            while not condition():
+                assert first.poll() is None, f"the run ended before {what}:\n{log.read_text()[-5000:]}"
+                assert time.time() < deadline, f"no {what} after 300 s:\n{log.read_text()[-5000:]}"
+                time.sleep(0.05)
+
+        wait_for("checkpoint in S3", lambda: "uploaded to" in log.read_text())
+        proxy.cut_uploads = -1
+        wait_for("failed upload", lambda: "could not be uploaded" in log.read_text())
+        proxy.cut_uploads = 0
+        metadata.notice = True
+        assert first.wait(timeout=300) == EXIT_PREEMPTED, log.read_text()[-5000:]
+        _, watched = watcher.communicate(timeout=30)
+    finally:
+        for proc in (first, watcher):
+            kill_group(proc)
+        metadata.stop()
+    text = log.read_text()
+    assert "interruption notice" in watched, watched
+    [stop] = re.findall(r"stopped by SIGUSR1 in epoch .*?checkpoint (\S+);", text) or [None]
+    assert stop and proxy.upload_cuts >= 4, text[-5000:]  # 2 attempts of botocore's in each of 2 of ours
+    name = Path(stop).name
+    assert f"checkpoint {name} uploaded to {prefix}/" in text, text[-5000:]
+    shutil.rmtree(tmp_path / "machine-1")  # the machine is gone
+
+    # Planted in the prefix, newer than the stop's: a checkpoint half uploaded (no state.json) and
+    # one whose part was cut short. Machine 2 passes over both and resumes from the stop's.
+    client, stopped = s3_server.client(), prefix_files(s3_server, bucket, f"{key}checkpoints/{name}/")
+    for newer, parts in (("epoch-0009", set(stopped) - {"state.json"}), ("epoch-0008", set(stopped))):
+        for part in parts:
+            body = stopped[part][: len(stopped[part]) // 2] if part == "local.npz" else stopped[part]
+            client.put_object(Bucket=bucket, Key=f"{key}checkpoints/{newer}/{part}", Body=body)
+    # Machine 2, nothing local; its first 3 uploads are cut (the probe's, twice by botocore, once by us).
+    proxy.cut_uploads = 3
+    try:
+        second = run(command, HVD_TRAIN_CACHE=str(tmp_path / "machine-2"), **env)
+    finally:
+        proxy.stop()
+    assert second.returncode == 0, output_of(second)
+    assert "skipping checkpoint" in second.stderr and "epoch-0008: local.npz is damaged" in second.stderr
+    assert f"resuming the run in {prefix}/: checkpoint {name} (" in second.stderr, output_of(second)
+    assert "resuming from" in second.stderr
+    stored = prefix_files(s3_server, bucket, key)
+    summary = json.loads(stored["summary.json"])
+    assert summary["weights_digest"] == done["s3 folder"].summary["weights_digest"], "not bit-identical"
+    uploads = summary["output_uploads"]
+    assert uploads["retried"] >= 1 and uploads["failed_checkpoints"] == 0 and uploads["files"] > 0, uploads
+    # The prefix holds the run: outputs, and complete checkpoints only (the planted ones pruned).
+    for rel in ("model.keras", "labels.json", "run_config.yaml", "metrics.csv", "confusion.png"):
+        assert rel in stored, sorted(stored)
+    assert len(stored["metrics.csv"].decode().splitlines()) == 3  # the header and 2 epochs
+    names = {rel.split("/")[1] for rel in stored if rel.startswith("checkpoints/")}
+    assert names and all(f"checkpoints/{n}/state.json" in stored for n in names), sorted(stored)
+    assert not names & {"epoch-0008", "epoch-0009"} and len(names) <= 2, names
+    assert any(rel.startswith("tensorboard/") for rel in stored) and not any(".write-test" in r for r in stored)
+    for rel, body in stored.items():
+        assert S3_SECRET.encode() not in body and S3_KEY_ID.encode() not in body, rel
+    # The commands that read a run take the prefix: evaluate scores the held-out images exactly as
+    # the run did and puts its report beside it; report and export add theirs; predict answers.
+    local = s3_server.env
+    evaluation = run([*HVD_TRAIN, "evaluate", "--model-dir", prefix, "--data", f"s3://{bucket}/folder/val/"], **local)
+    assert evaluation.returncode == 0, output_of(evaluation)
+    page = run([*HVD_TRAIN, "report", prefix], **local)
+    exported = run([*HVD_TRAIN, "export", prefix, "--format", "savedmodel"], **local)
+    one = sorted(p for p in (textures / "val").rglob("*") if p.is_file() and not p.name.startswith("."))[0]
+    predicted = run([*HVD_TRAIN, "predict", "--model-dir", prefix, one], **local)
+    for proc in (page, exported, predicted):
+        assert proc.returncode == 0, output_of(proc)
+    stored = prefix_files(s3_server, bucket, key)
+    report = json.loads(stored["evaluation.json"])
+    assert (report["images"], report["accuracy"]) == (summary["val_images"], summary["val_accuracy"])
+    assert "report.html" in stored and "export/manifest.json" in stored, sorted(stored)
+    assert str(one) in predicted.stdout and any(c in predicted.stdout for c in report["classes"]), predicted.stdout
