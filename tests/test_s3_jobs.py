@@ -107,11 +107,14 @@ def runs(textures, bucket, s3_server, tmp_path_factory):
 
     Folders in one process, shards under two ranks: each pair compares like with like, and
     both the per-image fetches and the ranked shard blocks read from S3. The S3 runs read
-    through a proxy that breaks every 7th object read mid-body: they are read again.
+    through a proxy that breaks every 7th object read mid-body: they are read again. The run
+    of shards from S3 writes its --output to S3 as well (rank 0 of two uploads it); its ``out``
+    is its staging folder.
     """
     root = tmp_path_factory.mktemp("runs")
     proxy = CuttingProxy(s3_server.url, every=7)
-    flaky = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.url}
+    flaky = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.url, "HVD_TRAIN_CACHE": str(root / "cache")}
+    outputs = {"s3 shards": f"s3://{bucket}/runs/shards"}
     sources = {
         "local folder": (textures / "train", textures / "val", {}, 1),
         "s3 folder": (f"s3://{bucket}/folder/train/", f"s3://{bucket}/folder/val/", flaky, 1),
@@ -121,7 +124,7 @@ def runs(textures, bucket, s3_server, tmp_path_factory):
     jobs = {}
     for kind, (data, val, env, ranks) in sources.items():
         extra = ["--no-tensorboard"] if kind.startswith("local") else []
-        out = root / kind.replace(" ", "-")
+        out = outputs.get(kind, root / kind.replace(" ", "-"))
         program = [*HVD_TRAIN, "train", "--data", data, "--val-data", val, "--output", out, *OPTIONS, *extra]
         jobs[kind] = ([*launcher_command("horovodrun-gloo", ranks), *program] if ranks > 1 else program, env)
     try:
@@ -138,12 +141,14 @@ def runs(textures, bucket, s3_server, tmp_path_factory):
     for kind in sources:
         assert procs[kind].returncode == 0, f"{kind}: {output_of(procs[kind])}"
         out = root / kind.replace(" ", "-")
+        if kind in outputs:
+            out = root / "cache" / "runs" / bucket / "runs" / "shards"
         done[kind] = Run(out, read_json(out / "summary.json"), procs[kind])
     return done, proxy.cuts
 
 
 @pytest.mark.multiprocess
-def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(runs):
+def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(runs, bucket, s3_server):
     done, cuts = runs
     summaries = {kind: r.summary for kind, r in done.items()}
     for kind, summary in summaries.items():
@@ -176,6 +181,12 @@ def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(runs):
             if path.is_file():
                 data = path.read_bytes()
                 assert S3_SECRET.encode() not in data and S3_KEY_ID.encode() not in data, path
+    # The run of two ranks with its --output in S3: the prefix holds every file of its staging folder.
+    stored = prefix_files(s3_server, bucket, "runs/shards/")
+    staged = {p.relative_to(done["s3 shards"].out).as_posix(): p for p in done["s3 shards"].out.rglob("*")}
+    staged = {rel: p.read_bytes() for rel, p in staged.items() if p.is_file() and not rel.startswith(".")}
+    assert json.loads(stored["summary.json"])["weights_digest"] == summaries["s3 shards"]["weights_digest"]
+    assert stored == staged
 
 
 def test_a_run_resumes_from_s3_after_starting_on_local_disk_and_refuses_other_images(runs, bucket, s3_server, tmp_path):
