@@ -130,3 +130,10 @@ def test_a_checkpoint_without_its_manifest_or_with_a_part_cut_short_is_never_res
         if key.endswith(checkpoints.STATE_FILE):
             client.delete_object(Bucket=bucket, Key=f"runs/a/{key}")
     assert other.pull() is None and os.listdir(tmp_path / "two") == []
+
+
+def test_a_missing_bucket_is_one_clear_error_before_anything_is_written(prefix, tmp_path):
+    url, bucket, _ = prefix
+    mirror = remote.Mirror(url.replace(bucket, bucket + "-gone"), str(tmp_path / "staging"), OPTIONS)
+    with pytest.raises(UserError, match=f"bucket '{bucket}-gone' does not exist.*--output"):
+        mirror.check()
