@@ -135,21 +135,26 @@ def test_no_ca_bundle_secret_or_pip_cache_in_any_layer(docker, image, marker_ca)
     # Read as `docker save` writes it (a stream: gigabytes never land on disk).
     saving = subprocess.Popen([docker, "save", image], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     found, scanned = [], 0
-    with saving, tarfile.open(fileobj=saving.stdout, mode="r|") as outer:
-        for layer in outer:
-            if not layer.name.endswith("layer.tar"):
-                continue
-            with tarfile.open(fileobj=outer.extractfile(layer), mode="r|") as inner:
-                for member in inner:
-                    name = member.name
-                    if "/.cache/pip" in f"/{name}" or name.startswith(("run/secrets/", "root/.cache")):
-                        found.append(f"{layer.name}: {name}")
-                    if member.isfile():
-                        data = inner.extractfile(member).read()
-                        scanned += len(data)
-                        if any(n in data for n in needles):
-                            found.append(f"{layer.name}: {name} holds a certificate of the build secret")
-        assert saving.wait(timeout=900) == 0, saving.stderr.read()[-2000:]
+    with saving:
+        try:
+            outer = tarfile.open(fileobj=saving.stdout, mode="r|")
+        except tarfile.ReadError as e:  # docker save failed before its first byte (a full disk, a daemon gone)
+            pytest.fail(f"`docker save` wrote no image ({e}; exit {saving.wait(timeout=60)}): {saving.stderr.read()}")
+        with outer:
+            for layer in outer:
+                if not layer.name.endswith("layer.tar"):
+                    continue
+                with tarfile.open(fileobj=outer.extractfile(layer), mode="r|") as inner:
+                    for member in inner:
+                        name = member.name
+                        if "/.cache/pip" in f"/{name}" or name.startswith(("run/secrets/", "root/.cache")):
+                            found.append(f"{layer.name}: {name}")
+                        if member.isfile():
+                            data = inner.extractfile(member).read()
+                            scanned += len(data)
+                            if any(n in data for n in needles):
+                                found.append(f"{layer.name}: {name} holds a certificate of the build secret")
+            assert saving.wait(timeout=900) == 0, saving.stderr.read()[-2000:]
     assert scanned > 500e6  # the whole image was read
     assert not found, found
     history = sh(docker, "history", "--no-trunc", image).stdout
