@@ -10,7 +10,8 @@ beside it. Everything else passes through unchanged.
 
 Uploads can be cut too (``cut_uploads``): the next N object writes (a PUT of
 a key, whole or a part) are read and their connection shut with no answer,
-as when the network drops mid-upload.
+as when the network drops mid-upload; or each made ``upload_delay`` seconds
+slower, as over a slow link.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import http.client
 import http.server
 import socket
 import threading
+import time
 import urllib.parse
 
 # Hop-by-hop headers, which the proxy sets itself.
@@ -37,6 +39,7 @@ class CuttingProxy:
         self.every, self.min_bytes = every, min_bytes
         self.reads = self.cuts = 0
         self.cut_uploads = self.upload_cuts = self.let_through = 0
+        self.upload_delay = 0.0
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
@@ -54,6 +57,8 @@ class CuttingProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
+                if self.command == "PUT":
+                    time.sleep(proxy.upload_delay)
                 upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
                     # The Host header goes as the client signed it.

@@ -334,7 +334,9 @@ def test_a_run_in_s3_stopped_by_a_spot_notice_resumes_on_another_machine_from_th
         wait_for("checkpoint in S3", lambda: "uploaded to" in log.read_text())
         proxy.cut_uploads = -1
         wait_for("failed upload", lambda: "could not be uploaded" in log.read_text())
-        proxy.cut_uploads = 0
+        # The network back, but slow: the run's remaining checkpoints take seconds each, so the
+        # notice (polled every 0.2 s) comes long before its last step, however busy the machine.
+        proxy.upload_delay, proxy.cut_uploads = 0.2, 0
         metadata.notice = True
         assert first.wait(timeout=300) == EXIT_PREEMPTED, log.read_text()[-5000:]
         _, watched = watcher.communicate(timeout=30)
@@ -358,7 +360,7 @@ def test_a_run_in_s3_stopped_by_a_spot_notice_resumes_on_another_machine_from_th
             body = stopped[part][: len(stopped[part]) // 2] if part == "local.npz" else stopped[part]
             client.put_object(Bucket=bucket, Key=f"{key}checkpoints/{newer}/{part}", Body=body)
     # Machine 2, nothing local; its first 3 uploads are cut (the probe's, twice by botocore, once by us).
-    proxy.cut_uploads = 3
+    proxy.upload_delay, proxy.cut_uploads = 0.0, 3
     try:
         second = run(command, HVD_TRAIN_CACHE=str(tmp_path / "machine-2"), **env)
     finally:
