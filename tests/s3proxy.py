@@ -11,7 +11,8 @@ beside it. Everything else passes through unchanged.
 Uploads can be cut too (``cut_uploads``): the next N object writes (a PUT of
 a key, whole or a part) are read and their connection shut with no answer,
 as when the network drops mid-upload; or each made ``upload_delay`` seconds
-slower, as over a slow link.
+slower, as over a slow link. ``deny_deletes`` answers every DELETE with S3's
+403 AccessDenied, as for credentials whose policy lacks s3:DeleteObject.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class CuttingProxy:
         self.reads = self.cuts = 0
         self.cut_uploads = self.upload_cuts = self.let_through = 0
         self.upload_delay = 0.0
+        self.deny_deletes = False
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
@@ -59,6 +61,14 @@ class CuttingProxy:
                     return
                 if self.command == "PUT":
                     time.sleep(proxy.upload_delay)
+                if self.command == "DELETE" and proxy.deny_deletes:
+                    denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(denied)))
+                    self.end_headers()
+                    self.wfile.write(denied)
+                    return
                 upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
                     # The Host header goes as the client signed it.

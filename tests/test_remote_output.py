@@ -137,3 +137,29 @@ def test_a_missing_bucket_is_one_clear_error_before_anything_is_written(prefix, 
     mirror = remote.Mirror(url.replace(bucket, bucket + "-gone"), str(tmp_path / "staging"), OPTIONS)
     with pytest.raises(UserError, match=f"bucket '{bucket}-gone' does not exist.*--output"):
         mirror.check()
+
+
+def test_credentials_that_cannot_delete_keep_older_checkpoints_and_still_upload_every_new_one(
+    prefix, net, tmp_path, s3_server, caplog
+):
+    url, bucket, client = prefix
+    staging = tmp_path / "one"
+    proxy = CuttingProxy(s3_server.url)
+    proxy.deny_deletes = True
+    mirror = remote.Mirror(url, str(staging), dataclasses.replace(OPTIONS, endpoint=proxy.url))
+    model, optimizer = net
+    try:
+        names, summary = [], {}
+        for step in (1, 2):  # --keep-checkpoints 1: the first is pruned on disk, and cannot be in S3
+            names.append(os.path.basename(save(staging, step, model, optimizer, keep=1)))
+            assert mirror.push_checkpoint(str(staging / "checkpoints" / names[-1])) and mirror.uploaded == names[-1]
+        (staging / "metrics.csv").write_text("epoch\n")
+        client.put_object(Bucket=bucket, Key="runs/a/features.keras", Body=b"an earlier run's model form")
+        mirror.finish(summary)
+    finally:
+        proxy.stop()
+    assert mirror.uploads.failed_checkpoints == 0 and summary["output_uploads"]["files"] == mirror.uploads.files
+    keys = stored(client, bucket)
+    assert all(f"checkpoints/{n}/{checkpoints.STATE_FILE}" in keys for n in names) and "summary.json" in keys
+    assert "older checkpoints stay in" in caplog.text and "access denied" in caplog.text
+    assert "files of an earlier form of the model stay in" in caplog.text and "features.keras" in keys

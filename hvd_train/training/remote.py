@@ -340,7 +340,6 @@ class Mirror:
             parts = sorted(f for f in os.listdir(path) if f != checkpoints.STATE_FILE)
             for part in [*parts, checkpoints.STATE_FILE]:
                 self._upload(os.path.join(path, part), f"{CHECKPOINTS}{name}/{part}")
-            self._prune(keep={os.path.basename(p) for p in checkpoints.candidates(self.staging)} | {name})
         except UserError as e:
             self.uploads.failed_checkpoints += 1
             log.warning(
@@ -354,16 +353,21 @@ class Mirror:
             return False
         log.info("checkpoint %s uploaded to %s (%.2f s)", name, self.url, time.perf_counter() - started)
         self.uploaded = name
+        self._prune(keep={os.path.basename(p) for p in checkpoints.candidates(self.staging)} | {name})
         return True
 
     def _prune(self, keep: set[str]) -> None:
-        """Deletes the prefix's checkpoints not in ``keep``: ``state.json`` first, then the rest."""
-        keys = self._keys()
-        _, names = self._checkpoint_names(keys)
-        for name in sorted(names - keep):
-            self._delete_checkpoint(name, keys)
+        """Deletes the prefix's checkpoints not in ``keep``: ``state.json`` first, then the rest. A
+        delete that fails (a policy without s3:DeleteObject) is a warning: they are only older."""
+        try:
+            keys = self._keys()
+            _, names = self._checkpoint_names(keys)
+            for name in sorted(names - keep):
+                self._delete_checkpoint(name, keys)
+        except UserError as e:
+            log.warning("older checkpoints stay in %s%s: %s", self.url, CHECKPOINTS, e)
 
-    def _delete_checkpoint(self, name: str, keys: dict[str, int]) -> None:
+    def _delete_checkpoint(self, name: str, keys) -> None:
         manifest = f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}"
         if manifest in keys:
             self.store.delete(manifest)
@@ -387,16 +391,19 @@ class Mirror:
             summary["output_uploads"] = dataclasses.asdict(self.uploads)
             files.write_json(os.path.join(self.staging, SUMMARY), summary)
             self._upload(os.path.join(self.staging, SUMMARY), SUMMARY)
-            kept = set(self._local_files())
-            for rel in self._keys():
-                if not rel.startswith(CHECKPOINTS) and not _hidden(rel) and rel not in kept:
-                    self.store.delete(rel)
         except UserError as e:
             raise UserError(
                 f"{e} The run's outputs are in {self.staging}; rerun the same command to upload them "
                 f"(it resumes from the last checkpoint and writes them again)."
             ) from None
         summary["output_uploads"] = dataclasses.asdict(self.uploads)
+        kept = set(self._local_files())
+        try:
+            for rel in self._keys():
+                if not rel.startswith(CHECKPOINTS) and not _hidden(rel) and rel not in kept:
+                    self.store.delete(rel)
+        except UserError as e:
+            log.warning("files of an earlier form of the model stay in %s: %s", self.url, e)
         log.info(
             "outputs in %s: %d file(s), %.1f MB uploaded in %.1f s (%d retried)",
             self.url,
