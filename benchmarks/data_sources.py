@@ -48,6 +48,17 @@ def start_s3() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto server did not start")
 
 
+def s3_env(url: str) -> dict[str, str]:
+    """The AWS environment that points boto3 at the moto server ``url``."""
+    return {
+        "AWS_ENDPOINT_URL": url,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
 def upload(client, folder: Path, bucket: str, prefix: str) -> None:
     files = [p for p in sorted(folder.rglob("*")) if p.is_file()]
 
@@ -105,13 +116,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="hvd-train-bench-"))
     data = Path(make_demo_data(str(work / "data"), per_class=args.images // 5, size=args.source_size))
     proc, url = start_s3()
-    os.environ.update(
-        AWS_ENDPOINT_URL=url,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
+    os.environ.update(s3_env(url))
     try:
         import boto3
         from botocore.config import Config

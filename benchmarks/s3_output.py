@@ -22,37 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def moto_server(log_path: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=open(log_path, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/moto-api/", timeout=2).close()
-            return proc, url
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"moto server did not start (see {log_path})")
 
 
 def main() -> None:
@@ -60,15 +32,11 @@ def main() -> None:
     parser.add_argument("--models", default="MobileNetV2,ResNet50")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from data_sources import s3_env, start_s3  # the same moto server as the input benchmarks
+
     root = tempfile.mkdtemp(prefix="s3-output-")
-    server, url = moto_server(os.path.join(root, "moto.log"))
-    os.environ.update(
-        AWS_ENDPOINT_URL=url,
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
+    server, url = start_s3()
+    os.environ.update(s3_env(url))
     try:
         import boto3
         import numpy as np
