@@ -45,8 +45,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
-    opened = ctx.agree(lambda: remote.open_run(args.model_dir, s3), name="open_run")
-    args.model_dir, mirror = opened
+    args.model_dir, mirror = ctx.agree(lambda: remote.open_run(args.model_dir, s3), name="open_run")
     # A head saved as files is split over the ranks (each holds its columns), whole in one process.
     trained = ctx.agree(lambda: load_trained(args.model_dir, split=ctx.size > 1), name="load_model")
     if trained.head is not None and len(trained.classes) < ctx.size:

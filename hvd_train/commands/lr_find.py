@@ -31,11 +31,12 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from hvd_train.data.storage import is_s3
     from hvd_train.errors import UserError
 
     try:
         cfg = config.from_sources(args)
-        if cfg.run.output.startswith("s3://"):
+        if is_s3(cfg.run.output):
             raise UserError(
                 f"lr-find writes its plot and table to a folder; give --output a folder, not {cfg.run.output} "
                 "(train --base-lr auto runs the same test for a run whose --output is in S3)."

@@ -30,11 +30,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from hvd_train.data.storage import is_s3
     from hvd_train.errors import UserError
     from hvd_train.experiments import spec
     from hvd_train.experiments.sweep import SweepRun
 
-    if args.output.startswith("s3://"):
+    if is_s3(args.output):
         raise UserError(
             f"a sweep keeps its study and trials in a folder; give --output a folder, not {args.output} "
             "(a single train run can write to S3)."

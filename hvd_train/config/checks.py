@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from hvd_train.config.choices import TrainConfig
-from hvd_train.data.storage import redact_url
+from hvd_train.data.storage import is_s3, redact_url
 from hvd_train.errors import UserError
 from hvd_train.model import own
 
@@ -69,7 +69,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "tracking an elastic job (whose rank 0 may change) is not supported yet: drop --track or --elastic",
     )
     _require(
-        not (r.output.startswith("s3://") and h.elastic),
+        not (is_s3(r.output) and h.elastic),
         "--output",
         r.output,
         "an elastic job's rank 0 may change to a host without its staging folder: give --output a folder every "

@@ -220,6 +220,16 @@ class S3Store(Store):
         """Every key below the prefix, however many, with its size."""
         return self._files_in_order([obj for page in self._pages(self.prefix, flag) for obj in self._objects(page)])
 
+    def list_with_etags(self, flag: str) -> dict[str, tuple[int, str]]:
+        """Every key below the prefix: ``{key relative to it: (size, ETag)}`` (an ETag is the MD5 of
+        the object's body when it was uploaded whole)."""
+        pages = self._pages(self.prefix, flag)
+        return {
+            o["Key"][len(self.prefix) :]: (int(o["Size"]), o.get("ETag", "").strip('"'))
+            for page in pages
+            for o in page.get("Contents", [])
+        }
+
     def list_by_folder(self, flag: str, ticker=None) -> list[tuple[str, int]]:
         """Like ``list``, with one listing stream per top-level folder, in parallel.
 

@@ -141,16 +141,7 @@ class Mirror:
 
     def _keys(self) -> dict[str, tuple[int, str]]:
         """Every object of the prefix: ``{path below it: (size, ETag)}``."""
-        store, found = self.store, {}
-        try:
-            for page in store.client.get_paginator("list_objects_v2").paginate(
-                Bucket=store.bucket, Prefix=store.prefix
-            ):
-                for o in page.get("Contents", []):
-                    found[o["Key"][len(store.prefix) :]] = (int(o["Size"]), o.get("ETag", "").strip('"'))
-        except Exception as e:
-            raise store.error(e, "list", store.prefix, "--output") from None
-        return found
+        return self.store.list_with_etags("--output")
 
     def _checkpoint_names(self, keys) -> tuple[list[str], set[str]]:
         """Complete checkpoints (newest first) and every checkpoint name of the prefix."""

@@ -210,9 +210,9 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     def restore():
         out = cfg.run.output
         if not cfg.run.resume:
-            removed = checkpoints.remove_all(out)
-            if remote.of(out) is not None:
-                removed = max(removed, remote.of(out).remove_checkpoints())
+            removed, mirror = checkpoints.remove_all(out), remote.of(out)
+            if mirror is not None:
+                removed = max(removed, mirror.remove_checkpoints())
             if removed:
                 log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
             return None
