@@ -187,6 +187,8 @@ REFUSED = {
     "broken in training": lambda f: _train(f, *TINY, "--val-split", "0", "--on-bad-image", "fail"),
     "weights": lambda f: _train(f, *TINY_APP, "--weights", f / "resnet.h5"),
     "evaluate": lambda f: ["evaluate", "--model-dir", f, "--data", f],
+    "lr-find in s3": lambda f: ["lr-find", "--data", f / "d", "--output", "s3://b/runs/x"],
+    "sweep in s3": lambda f: ["sweep", f / "sweep.yaml", "--output", "s3://b/runs/x"],
 }
 
 
@@ -207,6 +209,12 @@ def test_predict_into_a_pipe_whose_reader_is_gone_ends_quietly(trained_run, demo
         os.close(write)
     assert proc.returncode == 128 + signal.SIGPIPE, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-4000:]
+
+
+def test_lr_find_and_sweep_refuse_an_output_in_s3(refused):
+    in_s3 = "give --output a folder, not s3://b/runs/x"
+    assert_one_line_error(refused["lr-find in s3"][1], in_s3, "train --base-lr auto")
+    assert_one_line_error(refused["sweep in s3"][1], in_s3)
 
 
 def test_missing_data_folder(refused):
