@@ -18,6 +18,7 @@ from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 from hvd_train.training.state import TrainState
 
+from conftest import HVD_TRAIN, output_of, run
 from s3proxy import CuttingProxy
 
 OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
@@ -41,10 +42,32 @@ def stored(client, bucket, prefix="runs/a/") -> dict[str, str]:
     return {o["Key"][len(prefix) :]: o["ETag"].strip('"') for page in pages for o in page.get("Contents", [])}
 
 
-def save(staging, step, model, optimizer, keep=2) -> str:
+def save(staging, step, model, optimizer, keep=2, epoch=0) -> str:
+    """A checkpoint ``step`` steps into epoch ``epoch`` (0: at the end of epoch ``epoch``)."""
     state = TrainState(seed=1, world_size=1, batch_size=2, global_batch=2, total=8, step=step, epoch_steps=step)
+    state.epoch = epoch
     rows = {"rows": np.zeros((1, 3), np.float32)}
     return checkpoints.save(str(staging), checkpoints.name_for(state), model, optimizer, state, rows, {}, keep)
+
+
+def finished_run(staging, url, model, optimizer) -> dict[str, bytes]:
+    """A run trained to its end in ``url``, as a run's outputs stand beside its last checkpoint: its files."""
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror.check()  # as a run prepares its output
+    assert mirror.pull() is None
+    outputs = {
+        "labels.json": b'["a", "b", "c"]\n',
+        "run_config.yaml": b"model:\n  name: a-model\n",
+        "model.keras": os.urandom(3000),
+        "metrics.csv": b"epoch,loss\n1,0.5\n",
+        "tensorboard/events": os.urandom(100),
+    }
+    for rel, body in outputs.items():
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_bytes(body)
+    assert mirror.push_checkpoint(save(staging, 0, model, optimizer, epoch=1))
+    mirror.finish({"val_accuracy": 0.5})
+    return {rel: (staging / rel).read_bytes() for rel in [*outputs, "summary.json"]}
 
 
 @pytest.fixture
@@ -171,3 +194,13 @@ def test_credentials_that_cannot_delete_keep_older_checkpoints_and_still_upload_
     assert all(f"checkpoints/{n}/{checkpoints.STATE_FILE}" in keys for n in names) and "summary.json" in keys
     assert "older checkpoints stay in" in caplog.text and "access denied" in caplog.text
     assert "files of an earlier form of the model stay in" in caplog.text and "features.keras" in keys
+
+
+def test_report_reads_a_run_in_s3_through_the_endpoint_it_is_given(prefix, net, tmp_path, monkeypatch, any_s3_server):
+    # As predict, evaluate and export do (test_s3_jobs.py): a store other than AWS, with no AWS_ENDPOINT_URL.
+    url, bucket, client = prefix
+    finished_run(tmp_path / "one", url, *net)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    proc = run([*HVD_TRAIN, "report", url, "--s3-endpoint", any_s3_server.url], HVD_TRAIN_CACHE=str(tmp_path / "c"))
+    assert proc.returncode == 0, output_of(proc)
+    assert "report.html" in stored(client, bucket)

@@ -384,15 +384,18 @@ def test_a_run_in_s3_stopped_by_a_spot_notice_resumes_on_another_machine_from_th
     assert any(rel.startswith("tensorboard/") for rel in stored) and not any(".write-test" in r for r in stored)
     for rel, body in stored.items():
         assert S3_SECRET.encode() not in body and S3_KEY_ID.encode() not in body, rel
-    # The commands that read a run take the prefix: evaluate scores the held-out images exactly as
-    # the run did and puts its report beside it; report and export add theirs; predict answers.
-    local = s3_server.env
-    evaluation = run([*HVD_TRAIN, "evaluate", "--model-dir", prefix, "--data", f"s3://{bucket}/folder/val/"], **local)
+    # The commands that read a run take the prefix, and the store's endpoint (no AWS_ENDPOINT_URL):
+    # evaluate scores the held-out images exactly as the run did and puts its report beside it; report
+    # and export add theirs; predict answers.
+    local = {k: v for k, v in s3_server.env.items() if k != "AWS_ENDPOINT_URL"}
+    endpoint = ["--s3-endpoint", s3_server.url]
+    evaluate = [*HVD_TRAIN, "evaluate", "--model-dir", prefix, "--data", f"s3://{bucket}/folder/val/", *endpoint]
+    evaluation = run(evaluate, **local)
     assert evaluation.returncode == 0, output_of(evaluation)
-    page = run([*HVD_TRAIN, "report", prefix], **local)
-    exported = run([*HVD_TRAIN, "export", prefix, "--format", "savedmodel"], **local)
+    page = run([*HVD_TRAIN, "report", prefix, *endpoint], **local)
+    exported = run([*HVD_TRAIN, "export", prefix, "--format", "savedmodel", *endpoint], **local)
     one = sorted(p for p in (textures / "val").rglob("*") if p.is_file() and not p.name.startswith("."))[0]
-    predicted = run([*HVD_TRAIN, "predict", "--model-dir", prefix, one], **local)
+    predicted = run([*HVD_TRAIN, "predict", "--model-dir", prefix, one, *endpoint], **local)
     for proc in (page, exported, predicted):
         assert proc.returncode == 0, output_of(proc)
     stored = prefix_files(s3_server, bucket, key)

@@ -15,14 +15,33 @@ def positive_int(text: str) -> int:
     return value
 
 
+def endpoint_url(text: str) -> str:
+    if text and not text.startswith(("http://", "https://")):
+        from hvd_train.data.storage import redact_url
+
+        raise argparse.ArgumentTypeError(f"give a URL such as http://127.0.0.1:9000. Received: {redact_url(text)!r}")
+    return text
+
+
+def add_s3_endpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """``--s3-endpoint``: the store of a run, or of images, in ``s3://``."""
+    parser.add_argument(
+        "--s3-endpoint",
+        type=endpoint_url,
+        default="",
+        help="URL of an S3-compatible store, for a run or images in s3:// (default: AWS_ENDPOINT_URL or AWS)",
+    )
+
+
 def add_trained_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model-dir``, ``--batch-size``, ``--on-bad-image`` and ``--alpha-background``."""
-    parser.add_argument("--model-dir", required=True, help="the --output folder of `hvd-train train`")
+    """``--model-dir``, ``--batch-size``, ``--on-bad-image``, ``--alpha-background`` and ``--s3-endpoint``."""
+    parser.add_argument("--model-dir", required=True, help="the --output folder (or S3 prefix) of `hvd-train train`")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="images per worker per batch")
     parser.add_argument(
         "--on-bad-image", choices=("skip", "fail"), default="skip", help="skip (and list) or fail on unreadable images"
     )
     add_alpha_argument(parser, default=None, help="colour under transparent pixels (default: the training run's)")
+    add_s3_endpoint_argument(parser)
 
 
 def add_alpha_argument(parser: argparse.ArgumentParser, default: str | None, help: str) -> None:

@@ -22,7 +22,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--data", required=True, help="labelled image folder or shard set, local or s3://, classes as in training"
     )
-    parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
     parser.add_argument(
         "--report",
         help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hvd_train.commands._common import positive_int
+from hvd_train.commands._common import add_s3_endpoint_argument, positive_int
 
 FORMATS = ("savedmodel", "tflite", "onnx")
 QUANTIZATIONS = ("none", "float16", "int8")
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
         "README of the input contract and manifest.json (source run, weights digest, SHA-256 of each file, "
         "versions). --check runs every file in its own runtime against `hvd-train predict`.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output folder of `hvd-train train`")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output folder (or S3 prefix) of `hvd-train train`")
     parser.add_argument(
         "--format",
         type=formats,
@@ -71,10 +71,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--top-k", type=positive_int, default=5, help="class indices and names the SavedModel returns (default: 5)"
     )
+    add_s3_endpoint_argument(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from hvd_train.data.storage import S3Options
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.files import read_json
@@ -87,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = start.init()
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
-    args.run_dir, mirror = remote.open_run(args.run_dir)  # a run in S3: its local copy, the export uploaded
+    # A run in S3: its local copy; the export is uploaded beside it.
+    args.run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint))
     trained = load_trained(args.run_dir)
     summary = read_json(os.path.join(args.run_dir, "summary.json"), {})
     folder = args.output or os.path.join(args.run_dir, "export")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     calibrate = args.quantize == "int8" and not {"tflite", "onnx"}.isdisjoint(args.format)
     data = None  # the run's own images, read again only where no other images are given
     if (args.check and not args.check_data) or (calibrate and not args.calibration_data):
-        data = _run_images(args.run_dir, ctx)
+        data = _run_images(args.run_dir, ctx, args.s3_endpoint)
     calibration = _calibration(args, data) if calibrate else None
     check = _check_images(args, data, trained, ctx) if args.check else None
     manifest = export_folder.export(
@@ -165,13 +168,18 @@ def _check_installed(args) -> None:
             )
 
 
-def _run_images(run_dir: str, ctx):
-    """The run's training and held-out images, split as training split them."""
+def _run_images(run_dir: str, ctx, endpoint: str = ""):
+    """The run's training and held-out images, split as training split them (``endpoint``: their store's, where
+    given, not the one the run was trained with)."""
+    import dataclasses
+
     from hvd_train.config import from_sources
     from hvd_train.errors import UserError
     from hvd_train.training.stages import training_sets
 
     cfg = from_sources(None, os.path.join(run_dir, "run_config.yaml"))
+    if endpoint:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, s3_endpoint=endpoint))
     try:
         return training_sets(cfg.data, cfg.run.seed, ctx)
     except UserError as e:
@@ -242,7 +250,8 @@ def _check_images(args, data, trained, ctx):
     if args.check_data:
         from hvd_train.config import DataConfig
 
-        images = open_data(args.check_data, "--check-data", DataConfig().s3_options(), classes=trained.classes)
+        s3 = DataConfig(s3_endpoint=args.s3_endpoint).s3_options()
+        images = open_data(args.check_data, "--check-data", s3, classes=trained.classes)
         source = args.check_data
     else:
         _, images = data

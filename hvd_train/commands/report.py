@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hvd_train.commands._common import add_s3_endpoint_argument
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -13,17 +15,19 @@ def add_parser(subparsers) -> None:
         "the confusion matrix and per-class accuracy (worst classes first), throughput per epoch, world size "
         "and versions, and the resolved configuration. The pictures are embedded: the page loads nothing else.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output folder of `hvd-train train`")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output folder (or S3 prefix) of `hvd-train train`")
     parser.add_argument("--output", help="where to write the page (default: RUN_DIR/report.html)")
+    add_s3_endpoint_argument(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from hvd_train.data.storage import S3Options
     from hvd_train.log import get_logger
     from hvd_train.results import report_page
     from hvd_train.training import remote
 
-    run_dir, mirror = remote.open_run(args.run_dir)
+    run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint))
     path = report_page.write(run_dir, args.output)
     if mirror is not None:  # a run in S3: the page goes up beside it, unless written elsewhere
         mirror.push_outputs()
