@@ -6,16 +6,25 @@ test_s3_jobs.py; here, the parts: multipart uploads, manifests, pruning, a faile
 
 import dataclasses
 import hashlib
+import json
 import os
+import re
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hvd_train import config
 from hvd_train.compat import keras
+from hvd_train.data.folder import ImageSet
 from hvd_train.data.storage import S3Options
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
-from hvd_train.training import checkpoints, remote
+from hvd_train.model.catalogue import get_spec
+from hvd_train.training import checkpoints, remote, stages
+from hvd_train.training.finish import describe
+from hvd_train.training.job import Job
 from hvd_train.training.state import TrainState
 
 from conftest import HVD_TRAIN, output_of, run
@@ -24,16 +33,27 @@ from s3proxy import CuttingProxy
 OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
 
 
-@pytest.fixture
-def prefix(any_s3_server, monkeypatch):
-    """A fresh bucket and the test server (each in turn) as the process's AWS environment: ``(url, bucket,
-    client)``."""
-    for key, value in any_s3_server.env.items():
+def fresh_prefix(server, monkeypatch) -> tuple[str, str, object]:
+    """A fresh bucket, ``server`` as the process's AWS environment: ``(url, bucket, client)``."""
+    for key, value in server.env.items():
         monkeypatch.setenv(key, value)
     bucket = f"run-{uuid.uuid4().hex[:12]}"
-    client = any_s3_server.client()
+    client = server.client()
     client.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/runs/a/", bucket, client
+
+
+@pytest.fixture
+def prefix(any_s3_server, monkeypatch):
+    """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
+    return fresh_prefix(any_s3_server, monkeypatch)
+
+
+@pytest.fixture
+def moto_prefix(s3_server, monkeypatch):
+    """A fresh prefix in moto, for keys that rclone's serve s3 will not hold (it keeps each object as a file:
+    no key with an empty, '.' or '..' part, no folder marker beside the folder's objects)."""
+    return fresh_prefix(s3_server, monkeypatch)
 
 
 def stored(client, bucket, prefix="runs/a/") -> dict[str, str]:
@@ -42,10 +62,10 @@ def stored(client, bucket, prefix="runs/a/") -> dict[str, str]:
     return {o["Key"][len(prefix) :]: o["ETag"].strip('"') for page in pages for o in page.get("Contents", [])}
 
 
-def save(staging, step, model, optimizer, keep=2, epoch=0) -> str:
+def save(staging, step, model, optimizer, keep=2, epoch=0, best_epoch=-1) -> str:
     """A checkpoint ``step`` steps into epoch ``epoch`` (0: at the end of epoch ``epoch``)."""
     state = TrainState(seed=1, world_size=1, batch_size=2, global_batch=2, total=8, step=step, epoch_steps=step)
-    state.epoch = epoch
+    state.epoch, state.best_epoch, state.best_score = epoch, best_epoch, 0.5 if best_epoch >= 0 else None
     rows = {"rows": np.zeros((1, 3), np.float32)}
     return checkpoints.save(str(staging), checkpoints.name_for(state), model, optimizer, state, rows, {}, keep)
 
@@ -85,7 +105,7 @@ def test_the_staging_folder_is_named_after_the_prefix_and_odd_prefixes_are_refus
             remote.staging_folder(url)
 
 
-def test_checkpoints_go_up_manifest_last_are_pruned_and_a_failed_upload_keeps_the_last_complete_one(
+def test_checkpoints_go_up_manifest_last_are_pruned_and_a_rerun_uploads_what_an_outage_kept_back(
     prefix, net, tmp_path, any_s3_server
 ):
     url, bucket, client = prefix
@@ -112,31 +132,46 @@ def test_checkpoints_go_up_manifest_last_are_pruned_and_a_failed_upload_keeps_th
     in_prefix = {k.split("/")[1] for k in keys if k.startswith("checkpoints/")}
     assert in_prefix == set(names[1:])  # --keep-checkpoints 2, as on disk
     assert mirror.uploads.bytes > remote.PART_BYTES and mirror.uploads.retried == 0
-    # The network goes down after two files of the 4th checkpoint: it is not complete in the prefix
-    # (no manifest), and the run is told so.
+    # The network goes down after the record of the 4th checkpoint and two of its files: it is not
+    # complete in the prefix (no manifest), and the run is told so.
     proxy = CuttingProxy(any_s3_server.url)
-    proxy.cut_uploads, proxy.let_through = -1, 2
+    proxy.cut_uploads, proxy.let_through = -1, 3
     cut = remote.Mirror(url, str(staging), dataclasses.replace(OPTIONS, endpoint=proxy.url))
     cut._sent = dict(mirror._sent)  # the same run's mirror, its outputs up already
+    uploaded_model = (staging / "model.keras").read_bytes()
     try:
         fourth = os.path.basename(save(staging, 4, model, optimizer))
         assert not cut.push_checkpoint(str(staging / "checkpoints" / fourth))
+        assert cut.uploads.retried == 1 and cut.uploads.failed_checkpoints == 1 and proxy.upload_cuts >= 4
+        # The run ends, its outputs written to the staging folder; they cannot go up either.
+        (staging / "model.keras").write_bytes(os.urandom(remote.PART_BYTES + 1000))
+        (staging / "summary.json").write_text('{"val_accuracy": 0.5}\n')
+        with pytest.raises(UserError, match=f"are in {re.escape(str(staging))}; rerun the same command to upload"):
+            cut.finish({"val_accuracy": 0.5})
     finally:
         proxy.stop()
-    assert cut.uploads.retried == 1 and cut.uploads.failed_checkpoints == 1 and proxy.upload_cuts >= 4
     keys = stored(client, bucket)
     assert len([k for k in keys if k.startswith(f"checkpoints/{fourth}/")]) == 2, sorted(keys)
-    assert f"checkpoints/{fourth}/{checkpoints.STATE_FILE}" not in keys
+    assert f"checkpoints/{fourth}/{checkpoints.STATE_FILE}" not in keys and "summary.json" not in keys
     # Another machine: the prefix's newest complete checkpoint (the 3rd), verified, and the files
     # beside it, the large one whole.
     other = tmp_path / "two"
     pulled = remote.Mirror(url, str(other), OPTIONS)
     assert pulled.pull() == names[2]
     assert checkpoints.latest(str(other)).path == str(other / "checkpoints" / names[2])
-    assert (other / "model.keras").read_bytes() == (staging / "model.keras").read_bytes()
-    # The machine that could not upload resumes from the prefix too: its 4th checkpoint is dropped.
-    assert remote.Mirror(url, str(staging), OPTIONS).pull() == names[2]
-    assert [os.path.basename(p) for p in checkpoints.candidates(str(staging))] == [names[2]]
+    assert (other / "model.keras").read_bytes() == uploaded_model
+    # The same command again on the machine that could not upload: its 4th checkpoint, verified and newer
+    # than the prefix's, goes up with the outputs that wait beside it, and the run resumes from it.
+    again = remote.Mirror(url, str(staging), OPTIONS)
+    again.check()
+    assert again.pull() == fourth
+    assert checkpoints.latest(str(staging)).path == str(staging / "checkpoints" / fourth)
+    keys = stored(client, bucket)
+    assert f"checkpoints/{fourth}/{checkpoints.STATE_FILE}" in keys
+    up = {rel: client.get_object(Bucket=bucket, Key=f"runs/a/{rel}")["Body"].read() for rel in keys}
+    assert up["summary.json"] == (staging / "summary.json").read_bytes()
+    assert up["model.keras"] == (staging / "model.keras").read_bytes() != uploaded_model
+    assert remote.Mirror(url, str(other), OPTIONS).pull() == fourth  # and so does any other machine
 
 
 def test_a_checkpoint_without_its_manifest_or_with_a_part_cut_short_is_never_resumed_from(prefix, net, tmp_path):
@@ -147,20 +182,24 @@ def test_a_checkpoint_without_its_manifest_or_with_a_part_cut_short_is_never_res
     good = os.path.basename(save(staging, 1, model, optimizer))
     assert mirror.push_checkpoint(str(staging / "checkpoints" / good))
     parts = {k: client.get_object(Bucket=bucket, Key=f"runs/a/{k}")["Body"].read() for k in stored(client, bucket)}
-    for newer, cut_short in (("epoch-0003", None), ("epoch-0002", "local.npz")):
-        for key, body in parts.items():
-            part = key.split("/")[-1]
+    parts = {key.split("/")[-1]: body for key, body in parts.items() if key.startswith("checkpoints/")}
+    for newer, cut_short in (("epoch-0003", None), ("epoch-0002", "local.npz"), ("epoch-0009", None)):
+        for part, body in parts.items():
             if newer == "epoch-0003" and part == checkpoints.STATE_FILE:
                 continue  # an upload that stopped before its manifest
             body = body[: len(body) // 2] if part == cut_short else body
             client.put_object(Bucket=bucket, Key=f"runs/a/checkpoints/{newer}/{part}", Body=body)
+    # The first two as the run's own uploads left them (the run records a checkpoint before it uploads
+    # it); the third, whole, is not the run's: someone put it there.
+    record_as_the_runs(client, bucket, "epoch-0003", "epoch-0002")
     other = remote.Mirror(url, str(tmp_path / "two"), OPTIONS)
     assert other.pull() == good
-    # Nothing complete in the prefix: a fresh start, with an empty staging folder.
+    # Nothing complete in the prefix: a fresh start, with no file in the staging folder (but its hidden copy
+    # of the run's id).
     for key in stored(client, bucket):
         if key.endswith(checkpoints.STATE_FILE):
             client.delete_object(Bucket=bucket, Key=f"runs/a/{key}")
-    assert other.pull() is None and os.listdir(tmp_path / "two") == []
+    assert other.pull() is None and [f for f in os.listdir(tmp_path / "two") if not f.startswith(".")] == []
 
 
 def test_a_missing_bucket_is_one_clear_error_before_anything_is_written(prefix, tmp_path):
@@ -181,11 +220,13 @@ def test_credentials_that_cannot_delete_keep_older_checkpoints_and_still_upload_
     model, optimizer = net
     try:
         names, summary = [], {}
+        staging.mkdir()
+        (staging / "features.keras").write_bytes(b"the model, saved as a head's files first")
         for step in (1, 2):  # --keep-checkpoints 1: the first is pruned on disk, and cannot be in S3
             names.append(os.path.basename(save(staging, step, model, optimizer, keep=1)))
             assert mirror.push_checkpoint(str(staging / "checkpoints" / names[-1])) and mirror.uploaded == names[-1]
         (staging / "metrics.csv").write_text("epoch\n")
-        client.put_object(Bucket=bucket, Key="runs/a/features.keras", Body=b"an earlier run's model form")
+        (staging / "features.keras").unlink()  # ... and whole at the end
         mirror.finish(summary)
     finally:
         proxy.stop()
@@ -194,6 +235,150 @@ def test_credentials_that_cannot_delete_keep_older_checkpoints_and_still_upload_
     assert all(f"checkpoints/{n}/{checkpoints.STATE_FILE}" in keys for n in names) and "summary.json" in keys
     assert "older checkpoints stay in" in caplog.text and "access denied" in caplog.text
     assert "files of an earlier form of the model stay in" in caplog.text and "features.keras" in keys
+
+
+def prefix_checkpoints(client, bucket) -> set[str]:
+    return {k.split("/")[1] for k in stored(client, bucket) if k.startswith("checkpoints/")}
+
+
+def record_as_the_runs(client, bucket, *names: str) -> None:
+    """Checkpoints ``names`` added to the record of the run in ``runs/a/``, as the run adds one it uploads."""
+    from hvd_train.training.prefix import RECORD
+
+    key = f"runs/a/{RECORD}"
+    body = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body["checkpoints"] = sorted({*body["checkpoints"], *names})
+    client.put_object(Bucket=bucket, Key=key, Body=json.dumps(body).encode())
+
+
+def test_keys_that_would_land_outside_the_staging_folder_are_refused_before_anything_is_written(
+    moto_prefix, net, tmp_path, monkeypatch
+):
+    # Whoever may write to the prefix chooses its keys: an empty part makes the rest of a key an absolute
+    # path, '..' climbs out of the folder. A resume and the commands that read a run refuse such a key,
+    # naming it, before they write anything.
+    url, bucket, client = moto_prefix
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    finished_run(tmp_path / "one", url, *net)
+    [name] = prefix_checkpoints(client, bucket)
+    outside = tmp_path / "outside"
+    for rel, named in (
+        (f"{outside}/planted", None),  # runs/a//tmp/.../outside/planted
+        (f"checkpoints/{name}/../../../outside/planted", None),
+        ("tensorboard/./events", None),
+        ("labels.json/planted", "labels.json"),  # a file and a folder of one name
+    ):
+        key = f"runs/a/{rel}"
+        client.put_object(Bucket=bucket, Key=key, Body=b"planted")
+        for read in (
+            lambda: remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull(),
+            lambda: remote.open_run(url, OPTIONS),
+        ):
+            with pytest.raises(UserError, match=re.escape(f"S3 key s3://{bucket}/runs/a/{named or rel} ")) as e:
+                read()
+            assert "\n" not in str(e.value)
+        client.delete_object(Bucket=bucket, Key=key)
+    assert not outside.exists()
+
+
+def test_folder_markers_are_no_files_to_a_resume_or_the_commands_that_read_a_run(
+    moto_prefix, net, tmp_path, monkeypatch
+):
+    # The S3 console's "Create folder" makes an empty object whose key ends in '/'.
+    url, bucket, client = moto_prefix
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    files = finished_run(tmp_path / "one", url, *net)
+    [name] = prefix_checkpoints(client, bucket)
+    for marker in ("runs/", "runs/a/", "runs/a/tensorboard/", "runs/a/checkpoints/", f"runs/a/checkpoints/{name}/"):
+        client.put_object(Bucket=bucket, Key=marker, Body=b"")
+    run_dir, _ = remote.open_run(url, OPTIONS)
+    assert {rel: (Path(run_dir) / rel).read_bytes() for rel in files} == files
+    other = tmp_path / "two"
+    assert remote.Mirror(url, str(other), OPTIONS).pull() == name
+    assert {rel: (other / rel).read_bytes() for rel in files} == files
+
+
+def test_a_prefix_that_holds_anything_but_a_run_is_refused_before_anything_is_written(prefix, tmp_path):
+    url, bucket, client = prefix
+    team = url.replace("/runs/a/", "/team/")
+    for key in ("team/images/cat/1.jpg", "team/other-run/model.keras"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"someone else's")
+    before = stored(client, bucket, "team/")
+    with pytest.raises(UserError, match=re.escape(f"--output {team} holds 2 object(s) that are not")) as e:
+        remote.Mirror(team, str(tmp_path / "staging"), OPTIONS).check()
+    assert "images/cat/1.jpg" in str(e.value) and "a prefix of its own" in str(e.value)
+    assert stored(client, bucket, "team/") == before
+
+
+def test_a_run_deletes_only_what_it_uploaded(prefix, net, tmp_path):
+    url, bucket, client = prefix
+    model, optimizer = net
+    staging = tmp_path / "one"
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror.check()
+    assert mirror.pull() is None
+    (staging / "features.keras").write_bytes(os.urandom(500))  # the model, saved as a head's files first
+    assert mirror.push_checkpoint(save(staging, 1, model, optimizer, keep=1))
+    # Beside the run, in its prefix: someone's notes, and a folder that only looks like a checkpoint.
+    client.put_object(Bucket=bucket, Key="runs/a/notes.txt", Body=b"someone's notes")
+    client.put_object(Bucket=bucket, Key="runs/a/checkpoints/epoch-0099/notes.txt", Body=b"someone's notes")
+    (staging / "features.keras").unlink()
+    (staging / "model.keras").write_bytes(os.urandom(500))  # ... then whole
+    assert mirror.push_checkpoint(save(staging, 2, model, optimizer, keep=1))
+    mirror.finish({})
+    keys = stored(client, bucket)
+    assert "features.keras" not in keys and "model.keras" in keys and "summary.json" in keys
+    assert prefix_checkpoints(client, bucket) == {"epoch-0000-step-000002", "epoch-0099"}
+    assert "notes.txt" in keys
+    # --no-resume: the run's checkpoints go; what is not the run's stays.
+    assert remote.Mirror(url, str(staging), OPTIONS).remove_checkpoints() == 1
+    assert prefix_checkpoints(client, bucket) == {"epoch-0099"} and "notes.txt" in stored(client, bucket)
+
+
+def test_the_best_checkpoint_of_early_stop_survives_a_resume_from_the_prefix(prefix, net, tmp_path):
+    url, bucket, client = prefix
+    model, optimizer = net
+    one = tmp_path / "one"
+    mirror = remote.Mirror(url, str(one), OPTIONS)
+    mirror.check()
+    assert mirror.pull() is None
+    for epoch in (1, 2, 3):  # epoch 1 scored best; --keep-checkpoints 1 keeps it beside the newest
+        assert mirror.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=epoch, best_epoch=0))
+    assert prefix_checkpoints(client, bucket) == {"epoch-0001", "epoch-0003"}
+    newest = 3
+    for machine, epoch in (("two", 4), ("one", 5)):  # another machine, then the first one again
+        staging = tmp_path / machine
+        again = remote.Mirror(url, str(staging), OPTIONS)
+        again.check()
+        assert again.pull() == f"epoch-{newest:04d}"
+        # The checkpoint restore_best loads at the end, and which the next upload keeps in the prefix.
+        assert checkpoints.of_epoch_end(str(staging), 1) is not None
+        assert again.push_checkpoint(save(staging, 0, model, optimizer, keep=1, epoch=epoch, best_epoch=0))
+        assert prefix_checkpoints(client, bucket) == {"epoch-0001", f"epoch-{epoch:04d}"}
+        newest = epoch
+
+
+def test_no_resume_into_a_finished_run_keeps_its_model_usable_until_the_new_one_replaces_it(
+    prefix, net, tmp_path, monkeypatch
+):
+    # On disk, a run started over in the folder of a finished one leaves its model and what describes it
+    # (labels.json, run_config.yaml) until its own end replaces the three together; so in S3.
+    url, bucket, client = prefix
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    model, optimizer = net
+    old = finished_run(tmp_path / "old", url, model, optimizer)
+    values = {"data": {"train": str(tmp_path / "images")}, "run": {"output": url, "resume": False}}
+    cfg = remote.stage(config.build(values))
+    stages.prepare_output(cfg, Context())
+    images = ImageSet([str(tmp_path / "images" / c / "1.png") for c in "xy"], [0, 1], ["x", "y"])
+    describe(Job(cfg, images, None, 32, "fp32", get_spec(cfg.model.name)))  # as training starts
+    mirror = remote.of(cfg.run.output)
+    assert mirror.remove_checkpoints() == 1
+    assert mirror.push_checkpoint(save(Path(cfg.run.output), 1, model, optimizer))
+    keys = stored(client, bucket)
+    assert f"checkpoints/epoch-0000-step-000001/{checkpoints.STATE_FILE}" in keys
+    now = {rel: client.get_object(Bucket=bucket, Key=f"runs/a/{rel}")["Body"].read() for rel in old}
+    assert now == old
 
 
 def test_report_reads_a_run_in_s3_through_the_endpoint_it_is_given(prefix, net, tmp_path, monkeypatch, any_s3_server):

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import pytest
 
+from hvd_train.training.prefix import RECORD
+
 from conftest import (
     HVD_TRAIN,
     S3_KEY_ID,
@@ -181,12 +183,16 @@ def test_the_same_images_train_to_the_same_weights_from_local_disk_and_s3(runs, 
             if path.is_file():
                 data = path.read_bytes()
                 assert S3_SECRET.encode() not in data and S3_KEY_ID.encode() not in data, path
-    # The run of two ranks with its --output in S3: the prefix holds every file of its staging folder.
+    # The run of two ranks with its --output in S3: the prefix holds every file of its staging folder, and
+    # the run's record of them.
     stored = prefix_files(s3_server, bucket, "runs/shards/")
+    record = json.loads(stored.pop(RECORD))
     staged = {p.relative_to(done["s3 shards"].out).as_posix(): p for p in done["s3 shards"].out.rglob("*")}
     staged = {rel: p.read_bytes() for rel, p in staged.items() if p.is_file() and not rel.startswith(".")}
     assert json.loads(stored["summary.json"])["weights_digest"] == summaries["s3 shards"]["weights_digest"]
     assert stored == staged
+    assert set(record["files"]) == {rel for rel in stored if not rel.startswith("checkpoints/")}
+    assert set(record["checkpoints"]) == {rel.split("/")[1] for rel in stored if rel.startswith("checkpoints/")}
 
 
 def test_a_run_resumes_from_s3_after_starting_on_local_disk_and_refuses_other_images(runs, bucket, s3_server, tmp_path):
@@ -352,13 +358,17 @@ def test_a_run_in_s3_stopped_by_a_spot_notice_resumes_on_another_machine_from_th
     assert f"checkpoint {name} uploaded to {prefix}/" in text, text[-5000:]
     shutil.rmtree(tmp_path / "machine-1")  # the machine is gone
 
-    # Planted in the prefix, newer than the stop's: a checkpoint half uploaded (no state.json) and
-    # one whose part was cut short. Machine 2 passes over both and resumes from the stop's.
+    # Planted in the prefix, newer than the stop's, and in the run's record as its own uploads would be: a
+    # checkpoint half uploaded (no state.json) and one whose part was cut short. Machine 2 passes over both
+    # and resumes from the stop's.
     client, stopped = s3_server.client(), prefix_files(s3_server, bucket, f"{key}checkpoints/{name}/")
     for newer, parts in (("epoch-0009", set(stopped) - {"state.json"}), ("epoch-0008", set(stopped))):
         for part in parts:
             body = stopped[part][: len(stopped[part]) // 2] if part == "local.npz" else stopped[part]
             client.put_object(Bucket=bucket, Key=f"{key}checkpoints/{newer}/{part}", Body=body)
+    record = json.loads(client.get_object(Bucket=bucket, Key=f"{key}{RECORD}")["Body"].read())
+    record["checkpoints"] += ["epoch-0008", "epoch-0009"]
+    client.put_object(Bucket=bucket, Key=f"{key}{RECORD}", Body=json.dumps(record).encode())
     # Machine 2, nothing local; its first 3 uploads are cut (the probe's, twice by botocore, once by us).
     proxy.upload_delay, proxy.cut_uploads = 0.0, 3
     try:

@@ -18,7 +18,14 @@ uploads what changed there at every checkpoint, and everything at the end.
   the run ends with an error naming the staging folder that holds them.
 * The prefix is the run: a resume takes the newest checkpoint complete
   there, verified against its manifest, downloaded unless the staging folder
-  holds it (another machine, a deleted disk), and the files beside it.
+  holds it (another machine, a deleted disk), and the files beside it; with
+  ``--early-stop``, the best epoch's checkpoint too. Only where the staging
+  folder holds a newer intact checkpoint of the same run (its upload failed:
+  an outage) does that one go up, with the outputs waiting beside it, and the
+  run go on from it.
+* A prefix holds the run alone (``prefix``): its keys must be file names of
+  the staging folder, and the run deletes only what its record says it
+  uploaded; a train refuses a prefix that holds something else.
 * Large files go up as multipart uploads (boto3's transfer manager).
   ``summary.json`` counts the uploads (``output_uploads``) and is uploaded
   last: the prefix holds a finished run once it is there.
@@ -26,10 +33,9 @@ uploads what changed there at every checkpoint, and everything at the end.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import os
-import random
 import shutil
 import time
 import urllib.parse
@@ -38,14 +44,10 @@ from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.training import prefix
+from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY, checkpoints  # noqa: F401  (PART_BYTES: tests)
 
 log = get_logger("output")
-
-CHECKPOINTS = "checkpoints/"
-SUMMARY = "summary.json"
-# Files larger than this go up in parts of this size, four at a time.
-PART_BYTES = 16 << 20
-_BACKOFF_BASE, _BACKOFF_CAP = 0.5, 20.0
 
 _mirrors: dict[str, Mirror] = {}
 
@@ -93,87 +95,42 @@ def open_run(path: str, options: storage.S3Options | None = None) -> tuple[str, 
     mirror that uploads what the command adds (``push_outputs``)."""
     if not storage.is_s3(path):
         return path, None
-    mirror = Mirror(path.rstrip("/") + "/", staging_folder(path), options or storage.S3Options())
+    mirror = Mirror(path.rstrip("/") + "/", staging_folder(path), options or storage.S3Options(), run=False)
     mirror.sync_outputs()
     return mirror.staging, mirror
 
 
-@dataclasses.dataclass
-class Uploads:
-    """What went up to the prefix (``summary.json["output_uploads"]``)."""
-
-    files: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    retried: int = 0
-    failed_checkpoints: int = 0
-
-
-class _Checkpoints:
-    """``training.checkpoints``, imported when first used: ``stage`` runs before TensorFlow may load."""
-
-    def __getattr__(self, name: str):
-        from hvd_train.training import checkpoints as module
-
-        return getattr(module, name)
-
-
-checkpoints = _Checkpoints()
-
-
-class Mirror:
-    """The S3 prefix ``url`` of the staging folder ``staging``; used by rank 0 only."""
-
-    def __init__(self, url: str, staging: str, options: storage.S3Options):
-        self.url, self.staging, self.options = url, staging, options
-        self.uploads = Uploads()
-        self.uploaded = ""  # the name of the last checkpoint that went up
-        self._store: storage.S3Store | None = None
-        self._sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) as uploaded or downloaded
-
-    @property
-    def store(self) -> storage.S3Store:
-        if self._store is None:
-            self._store = storage.S3Store(self.url, self.options)
-        return self._store
-
-    # --- reading the prefix ---
-
-    def _keys(self) -> dict[str, tuple[int, str]]:
-        """Every object of the prefix: ``{path below it: (size, ETag)}``."""
-        return self.store.list_with_etags("--output")
-
-    def _checkpoint_names(self, keys) -> tuple[list[str], set[str]]:
-        """Complete checkpoints (newest first) and every checkpoint name of the prefix."""
-        names = {rel[len(CHECKPOINTS) :].split("/")[0] for rel in keys if rel.startswith(CHECKPOINTS)}
-        names = {n for n in names if checkpoints.order(n)}
-        complete = [n for n in names if f"{CHECKPOINTS}{n}/{checkpoints.STATE_FILE}" in keys]
-        return sorted(complete, key=checkpoints.order, reverse=True), names
+class Mirror(prefix.Prefix):
+    """What a run in S3 does with its prefix: checks it, resumes from it, uploads its checkpoints and outputs,
+    prunes and deletes what it no longer needs; used by rank 0 only."""
 
     def check(self) -> None:
-        """The prefix can be listed and written, or a ``UserError`` that says why."""
-        self._keys()
-        probe = f".write-test-{os.getpid()}"
-        self._retrying(lambda: self.store.client.put_object(Bucket=self.store.bucket, Key=self.store.key(probe)), probe)
-        self.store.delete(probe)
-
-    def clear(self) -> None:
-        """Empties the staging folder (a run that starts over)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
-        os.makedirs(self.staging, exist_ok=True)
+        """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
+        before records were kept), and can be written (its record is); or a ``UserError`` that says why."""
+        keys = self._keys()
+        if not self._load_record(keys):
+            refused = prefix.foreign(keys, self.url)
+            if refused is not None:
+                raise refused
+        self._put_record(force=True)
 
     def pull(self) -> str | None:
         """Before a resume: the staging folder made a copy of the run in the prefix.
 
-        The prefix is the run, the staging folder a cache of it: the newest checkpoint complete in
-        the prefix (and verified) is the one to resume from, downloaded unless the staging folder has
-        it already, and the files beside it are downloaded where they differ. A checkpoint of the
-        staging folder that the prefix lacks (its upload failed) is removed: the run goes on from
-        the last complete one. Returns its name; None (and an empty staging folder) when the prefix
-        has none.
+        The prefix is the run, the staging folder a cache of it: the newest checkpoint of the run complete
+        in the prefix (and verified) is the one to resume from, downloaded unless the staging folder has
+        it already, with the best epoch's for ``--early-stop``; the files beside it are downloaded where
+        they differ, and the staging folder's other checkpoints removed. But a newer intact checkpoint of
+        the staging folder, of the same run, goes up with the outputs beside it (``_push_ahead``). Returns
+        the checkpoint's name; None (and no checkpoint in the staging folder) when there is none.
         """
         keys = self._keys()
-        complete, _ = self._checkpoint_names(keys)
+        if self._record is None:
+            self._load_record(keys)
+        complete = self._complete(keys)
+        ahead = self._ahead(complete)
+        if ahead is not None:
+            return self._push_ahead(ahead, keys, complete)
         started, fetched, chosen = time.perf_counter(), 0, None
         for name in complete:
             try:
@@ -183,14 +140,19 @@ class Mirror:
                 continue
             chosen = name
             break
-        if chosen is None:
-            self.clear()
-            return None
+        fetched += self._sync_files(keys)
+        keep = {chosen} if chosen else set()
+        if chosen is not None:
+            best = _best_epoch(os.path.join(checkpoints.folder(self.staging), chosen))
+            keep |= self._keep_best(best, chosen, complete, keys)
         for path in checkpoints.candidates(self.staging):
-            if os.path.basename(path) != chosen:
+            if os.path.basename(path) not in keep:
                 log.info("removing %s from the staging folder: %s has no complete copy of it", path, self.url)
                 shutil.rmtree(path, ignore_errors=True)
-        fetched += self._sync_files(keys)
+        prefix.mark_staged(self.staging, self.record)
+        if chosen is None:
+            shutil.rmtree(checkpoints.folder(self.staging), ignore_errors=True)
+            return None
         log.info(
             "resuming the run in %s: checkpoint %s (%.1f MB downloaded in %.1f s)",
             self.url,
@@ -199,6 +161,85 @@ class Mirror:
             time.perf_counter() - started,
         )
         return chosen
+
+    def pull_outputs(self) -> None:
+        """``--no-resume``: the staging folder made a copy of the prefix's files, checkpoints aside, so that the
+        run starts over beside them as in a folder on disk (a finished run's model, and what describes it,
+        stay until the new run's end replaces them)."""
+        keys = self._keys()
+        if self._record is None:
+            self._load_record(keys)
+        self._sync_files(keys)
+
+    def _complete(self, keys) -> list[str]:
+        """The run's checkpoints complete in the prefix, newest first; others (not in its record) passed over."""
+        complete, names = self._checkpoint_names(keys)
+        strays = sorted(names - self.record.checkpoints)
+        if strays:
+            log.warning(
+                "passing over %s in %s%s: no checkpoint(s) of this run (not in its %s)",
+                ", ".join(strays),
+                self.url,
+                CHECKPOINTS,
+                prefix.RECORD,
+            )
+        return [name for name in complete if name in self.record.checkpoints]
+
+    def _ahead(self, complete: list[str]) -> checkpoints.Found | None:
+        """The staging folder's newest intact checkpoint where it is of the prefix's run and newer than every
+        checkpoint complete there (its upload failed); None otherwise."""
+        if self._staged_run != self.record.run:
+            return None
+        for path in checkpoints.candidates(self.staging):
+            if complete and checkpoints.order(os.path.basename(path)) <= checkpoints.order(complete[0]):
+                return None
+            try:
+                return checkpoints.verify(path)
+            except ValueError as e:
+                log.warning("skipping checkpoint %s: %s", path, e)
+        return None
+
+    def _push_ahead(self, found: checkpoints.Found, keys, complete: list[str]) -> str:
+        """The run's newest checkpoint, which the staging folder alone holds, uploaded with the outputs
+        waiting beside it (the prefix's other files downloaded where the staging folder lacks them)."""
+        name = os.path.basename(found.path)
+        log.warning(
+            "checkpoint %s of the staging folder is newer than any complete in %s (its upload failed): uploading "
+            "it and the outputs beside it, and resuming from it",
+            found.path,
+            self.url,
+        )
+        self._sync_files(keys, local_wins=True)
+        self._keep_best(found.state.best_epoch, name, complete, keys)
+        self.push_checkpoint(found.path)
+        return name
+
+    def _keep_best(self, best_epoch: int, chosen: str, complete: list[str], keys) -> set[str]:
+        """``--early-stop``: the best epoch's checkpoint, kept beside ``chosen`` (``restore_best`` loads it at
+        the end, and the next upload keeps what the staging folder holds): the prefix's, or the staging
+        folder's own, uploaded, where its upload failed. Its name, in a set; an empty set for none."""
+        if best_epoch < 0:
+            return set()
+        want = checkpoints.order(checkpoints.epoch_end_name(best_epoch + 1))[:2]
+        before = checkpoints.order(chosen)
+        if before[:2] == want:
+            return set()
+        for name in complete:
+            if checkpoints.order(name)[:2] == want and checkpoints.order(name) < before:
+                try:
+                    self._take_checkpoint(name, keys)
+                    return {name}
+                except ValueError as e:
+                    log.warning("skipping checkpoint %s%s%s: %s", self.url, CHECKPOINTS, name, e)
+        own = checkpoints.of_epoch_end(self.staging, best_epoch + 1) if self._staged_run == self.record.run else None
+        if (
+            own is not None
+            and checkpoints.order(os.path.basename(own.path)) < before
+            and self.push_checkpoint(own.path)
+        ):
+            return {os.path.basename(own.path)}
+        log.warning("early stop: %s holds no checkpoint of the best epoch (%d)", self.url, best_epoch + 1)
+        return set()
 
     def sync_outputs(self) -> None:
         """The staging folder made a copy of the prefix's finished run, checkpoints aside (``open_run``)."""
@@ -211,123 +252,29 @@ class Mirror:
         started, fetched = time.perf_counter(), self._sync_files(keys)
         log.info("the run in %s: %.1f MB downloaded in %.1f s", self.url, fetched / 1e6, time.perf_counter() - started)
 
-    def _sync_files(self, keys) -> int:
-        """The prefix's files outside ``checkpoints/`` into the staging folder where they differ, and
-        the staging folder's others removed; returns the bytes downloaded."""
-        others, fetched = {rel for rel in keys if not rel.startswith(CHECKPOINTS) and not _hidden(rel)}, 0
-        for rel in sorted(others):
-            path = os.path.join(self.staging, rel)
-            if _same(path, *keys[rel]):
-                self._record(rel)
-            else:
-                self._download(rel, path)
-                fetched += keys[rel][0]
-        for rel in self._local_files():
-            if rel not in others:  # not the prefix's run: the staging folder's own leftovers
-                with contextlib.suppress(FileNotFoundError):  # another process on this host was first
-                    os.remove(os.path.join(self.staging, rel))
-        return fetched
-
-    def _take_checkpoint(self, name: str, keys) -> int:
-        """Checkpoint ``name`` of the prefix into the staging folder, verified; returns the bytes downloaded."""
-        root = checkpoints.folder(self.staging)
-        local = os.path.join(root, name)
-        manifest = self.store.read(f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}")
-        try:
-            with open(os.path.join(local, checkpoints.STATE_FILE), "rb") as f:
-                if f.read() == manifest:
-                    return 0  # the staging folder's copy; restoring it verifies it again
-        except OSError:
-            pass
-        tmp = os.path.join(root, f".{name}.download-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        parts = [rel for rel in keys if rel.startswith(f"{CHECKPOINTS}{name}/")]
-        try:
-            for rel in parts:
-                self._download(rel, os.path.join(tmp, rel[len(f"{CHECKPOINTS}{name}/") :]), record=False)
-            checkpoints.verify(tmp)
-            shutil.rmtree(local, ignore_errors=True)
-            os.rename(tmp, local)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return sum(keys[rel][0] for rel in parts)
-
-    def _download(self, rel: str, path: str, record: bool = True) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        data = self.store.read(rel)
-        with files.replacing(path, "wb") as f:
-            f.write(data)
-        if record:
-            self._record(rel)
-
-    def _record(self, rel: str) -> None:
-        """``rel`` of the staging folder is as in the prefix."""
-        stat = os.stat(os.path.join(self.staging, rel))
-        self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
-
-    def _local_files(self) -> list[str]:
-        """The staging folder's files outside ``checkpoints/``, hidden ones (temporaries) aside."""
-        found = []
-        for folder, dirs, names in os.walk(self.staging):
-            rel_folder = os.path.relpath(folder, self.staging)
-            dirs[:] = [d for d in dirs if not d.startswith(".") and (rel_folder, d) != (".", "checkpoints")]
-            found += [os.path.normpath(os.path.join(rel_folder, n)) for n in names if not n.startswith(".")]
-        return sorted(found)
-
-    # --- writing the prefix ---
-
-    def _retrying(self, write, rel: str) -> None:
-        """``write()`` of ``rel``, made again with jittered backoff up to ``--s3-max-attempts`` times in
-        all (over botocore's own retries of each request: a network cut outlasts those)."""
-        attempts = max(1, self.options.max_attempts)
-        for attempt in range(1, attempts + 1):
-            try:
-                return write()
-            except Exception as e:
-                if attempt == attempts or storage.error_code(e) in _FINAL:
-                    raise self.store.error(e, "write", self.store.key(rel)) from None
-                self.uploads.retried += 1
-                log.warning(
-                    "S3: writing %s%s failed (%s); trying again (attempt %d of %d)",
-                    self.url,
-                    rel,
-                    storage.first_line(e),
-                    attempt + 1,
-                    attempts,
-                )
-                time.sleep(random.uniform(0, min(_BACKOFF_CAP, _BACKOFF_BASE * 2**attempt)))
-
-    def _upload(self, path: str, rel: str) -> None:
-        """One file to ``rel``: one PUT, or a multipart upload above ``PART_BYTES``."""
-        from boto3.s3.transfer import TransferConfig
-
-        config = TransferConfig(multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=4)
-        stat = os.stat(path)
-        started = time.perf_counter()
-        self._retrying(
-            lambda: self.store.client.upload_file(path, self.store.bucket, self.store.key(rel), Config=config), rel
-        )
-        self.uploads.files += 1
-        self.uploads.bytes += stat.st_size
-        self.uploads.seconds += time.perf_counter() - started
-        self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
-
     def push_outputs(self, skip: str | None = None) -> None:
         """Uploads every file of the staging folder (checkpoints and ``skip`` aside) changed since it
         last went up or came down."""
-        for rel in self._local_files():
-            stat = os.stat(os.path.join(self.staging, rel))
-            if rel != skip and self._sent.get(rel) != (stat.st_size, stat.st_mtime_ns):
-                self._upload(os.path.join(self.staging, rel), rel)
+        changed = self._changed(skip)
+        self._note(changed)
+        for rel in changed:
+            self._upload(os.path.join(self.staging, rel), rel)
 
     def push_checkpoint(self, path: str) -> bool:
-        """The outputs, then checkpoint ``path`` with its ``state.json`` last; then the prefix's
-        checkpoints that the staging folder no longer has are deleted. False (and a warning) when
-        it could not be uploaded: the run goes on, and the next checkpoint is uploaded whole."""
+        """The outputs, then checkpoint ``path`` with its ``state.json`` last (both in the record first);
+        then the run's checkpoints in the prefix that the staging folder no longer has are deleted. False
+        (and a warning) when it could not be uploaded: the run goes on, and the next checkpoint is uploaded
+        whole."""
         name = os.path.basename(path)
         started = time.perf_counter()
         try:
-            self.push_outputs()
+            changed = self._changed()
+            self._note(changed, name)
+            if self._staged_run != self.record.run:  # the staging folder's checkpoints are of this run
+                prefix.mark_staged(self.staging, self.record)
+                self._staged_run = self.record.run
+            for rel in changed:
+                self._upload(os.path.join(self.staging, rel), rel)
             parts = sorted(f for f in os.listdir(path) if f != checkpoints.STATE_FILE)
             for part in [*parts, checkpoints.STATE_FILE]:
                 self._upload(os.path.join(path, part), f"{CHECKPOINTS}{name}/{part}")
@@ -348,51 +295,58 @@ class Mirror:
         return True
 
     def _prune(self, keep: set[str]) -> None:
-        """Deletes the prefix's checkpoints not in ``keep``: ``state.json`` first, then the rest. A
+        """Deletes the run's checkpoints in the prefix not in ``keep``: ``state.json`` first, then the rest. A
         delete that fails (a policy without s3:DeleteObject) is a warning: they are only older."""
         try:
             keys = self._keys()
             _, names = self._checkpoint_names(keys)
-            for name in sorted(names - keep):
+            self.record.checkpoints &= names | keep  # none of what was recorded and never went up
+            for name in sorted(self.record.checkpoints - keep):
                 self._delete_checkpoint(name, keys)
+                self.record.checkpoints.discard(name)  # the record says so with the next upload
         except UserError as e:
             log.warning("older checkpoints stay in %s%s: %s", self.url, CHECKPOINTS, e)
 
-    def _delete_checkpoint(self, name: str, keys) -> None:
-        manifest = f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}"
-        if manifest in keys:
-            self.store.delete(manifest)
-        for rel in keys:
-            if rel.startswith(f"{CHECKPOINTS}{name}/") and rel != manifest:
-                self.store.delete(rel)
-
     def remove_checkpoints(self) -> int:
-        """``--no-resume``: deletes every checkpoint of the prefix; returns how many."""
+        """``--no-resume``: deletes every checkpoint of the run from the prefix, and the run starts over with a
+        new id (no staging folder's checkpoint of the run before is taken for its own); returns how many."""
         keys = self._keys()
         _, names = self._checkpoint_names(keys)
-        for name in sorted(names):
+        mine = sorted(names & self.record.checkpoints)
+        for name in mine:
             self._delete_checkpoint(name, keys)
-        return len(names)
+        self._record = prefix.Record(files=self.record.files)
+        self._put_record()
+        prefix.mark_staged(self.staging, self.record)
+        self._staged_run = self.record.run
+        return len(mine)
 
     def finish(self, summary: dict) -> None:
-        """The run's outputs, then ``summary.json`` with the upload counts, last; files the staging
-        folder no longer has (a model saved in another form) are deleted from the prefix."""
+        """The run's outputs, then ``summary.json`` with the upload counts, last; files the run uploaded that
+        the staging folder no longer has (a model saved in another form) are deleted from the prefix."""
         try:
-            self.push_outputs(skip=SUMMARY)
+            changed = self._changed(skip=SUMMARY)
+            self._note([*changed, SUMMARY])
+            for rel in changed:
+                self._upload(os.path.join(self.staging, rel), rel)
             summary["output_uploads"] = dataclasses.asdict(self.uploads)
             files.write_json(os.path.join(self.staging, SUMMARY), summary)
             self._upload(os.path.join(self.staging, SUMMARY), SUMMARY)
         except UserError as e:
             raise UserError(
-                f"{e} The run's outputs are in {self.staging}; rerun the same command to upload them "
-                f"(it resumes from the last checkpoint and writes them again)."
+                f"{e} The run's outputs are in {self.staging}; rerun the same command to upload them (it "
+                f"resumes from the newest checkpoint, uploaded first where the prefix lacks it, and writes them "
+                f"again)."
             ) from None
         summary["output_uploads"] = dataclasses.asdict(self.uploads)
         kept = set(self._local_files())
         try:
-            for rel in self._keys():
-                if not rel.startswith(CHECKPOINTS) and not _hidden(rel) and rel not in kept:
+            keys = self._keys()
+            for rel in sorted(self.record.files - kept):
+                if rel in keys:
                     self.store.delete(rel)
+                self.record.files.discard(rel)
+            self._put_record()
         except UserError as e:
             log.warning("files of an earlier form of the model stay in %s: %s", self.url, e)
         log.info(
@@ -405,28 +359,7 @@ class Mirror:
         )
 
 
-# Codes that no retry mends.
-_FINAL = {
-    "NoSuchBucket",
-    "AccessDenied",
-    "AllAccessDisabled",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "InvalidToken",
-    "ExpiredToken",
-    "403",
-    "404",
-}
-
-
-def _hidden(rel: str) -> bool:
-    return any(part.startswith(".") for part in rel.split("/"))
-
-
-def _same(path: str, size: int, etag: str) -> bool:
-    """Whether the file ``path`` holds the object of ``size`` and ``etag`` (the MD5 of one PUT's body;
-    a multipart upload's ETag is not one, and its file is downloaded again)."""
-    try:
-        return os.path.getsize(path) == size and files.md5(path) == etag
-    except OSError:
-        return False
+def _best_epoch(path: str) -> int:
+    """The best epoch (0-based; -1: none) that checkpoint ``path`` holds for ``--early-stop``."""
+    with open(os.path.join(path, checkpoints.STATE_FILE), "rb") as f:
+        return int(json.loads(f.read())["state"].get("best_epoch", -1))

@@ -67,8 +67,8 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
             mirror.check()
             if cfg.run.resume:
                 mirror.pull()
-            else:
-                mirror.clear()
+            else:  # the checkpoints go once training starts, the model beside them with the new run's end
+                mirror.pull_outputs()
 
     ctx.on_root(prepare, name="prepare_output")
 
