@@ -1,4 +1,5 @@
 import argparse
+import re
 
 import pytest
 
@@ -146,6 +147,21 @@ def test_output_inside_data_is_refused(tmp_path):
     with pytest.raises(UserError, match="inside --data"):
         config.from_sources(parse(["--data", str(tmp_path), "--output", str(tmp_path)]))
     config.from_sources(parse(["--data", str(tmp_path / "d"), "--output", str(tmp_path / "d2")]))
+
+
+def test_an_output_in_s3_and_data_in_s3_may_not_hold_each_other():
+    # The run's prefix holds the run alone, and its files are no images to train on.
+    for data, output, why in (
+        ("s3://b/x/train", "s3://b/x", "--data s3://b/x/train is inside it"),
+        ("s3://b/x/", "s3://b/x/runs/one", "it is inside --data s3://b/x/"),
+        ("s3://b/x", "s3://b/x/", "it is inside --data s3://b/x"),
+    ):
+        with pytest.raises(UserError, match=f"`--output` is invalid.*{re.escape(why)}"):
+            config.from_sources(parse(["--data", data, "--output", output]))
+    with pytest.raises(UserError, match=re.escape("--val-data s3://b/x/val/ is inside it")):
+        config.from_sources(parse(["--data", "s3://b/train", "--val-data", "s3://b/x/val/", "--output", "s3://b/x"]))
+    for data, output in (("s3://b/x/train", "s3://b/x/train-run"), ("s3://b/x", "s3://c/x/run"), ("s3://b/x", "x")):
+        assert config.from_sources(parse(["--data", data, "--output", output])).run.output == output
 
 
 def test_an_elastic_job_refuses_an_output_in_s3():

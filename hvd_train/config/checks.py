@@ -162,13 +162,24 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             r.output,
             f"it is inside {flag} {folder}, where its files would be read as a class; choose another folder",
         )
+        # A prefix holds its run alone: no images of the run's in it (a run deletes what it uploaded, and
+        # refuses a prefix that holds anything else).
+        _require(
+            not folder or not folder.startswith("s3://") or not _inside(folder, r.output),
+            "--output",
+            r.output,
+            f"{flag} {folder} is inside it, and an S3 prefix holds its run alone; give --output a prefix of its own",
+        )
     _require(bool(m.weights), "--weights", m.weights, "use imagenet, none, or the path of a weights file")
     return cfg
 
 
 def _inside(path: str, folder: str) -> bool:
-    if folder.startswith("s3://"):
-        return False
+    """Whether ``path`` is ``folder`` or below it: two folders on disk, or two S3 prefixes (by bucket and
+    whole parts: ``s3://b/x-run`` is not below ``s3://b/x``)."""
+    if folder.startswith("s3://") or path.startswith("s3://"):
+        parts = [[p for p in url[len("s3://") :].split("/") if p] for url in (path, folder)]
+        return path.startswith("s3://") and folder.startswith("s3://") and parts[0][: len(parts[1])] == parts[1]
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return os.path.commonpath([path, folder]) == folder
 
