@@ -263,7 +263,7 @@ def test_keys_that_would_land_outside_the_staging_folder_are_refused_before_anyt
     [name] = prefix_checkpoints(client, bucket)
     outside = tmp_path / "outside"
     for rel, named in (
-        (f"{outside}/planted", None),  # runs/a//tmp/.../outside/planted
+        (f"{outside}/planted", None),  # runs/a//<tmp_path>/outside/planted: an absolute path
         (f"checkpoints/{name}/../../../outside/planted", None),
         ("tensorboard/./events", None),
         ("labels.json/planted", "labels.json"),  # a file and a folder of one name
