@@ -49,7 +49,7 @@ def study_of(folder: Path):
         ({"search": {"optim.nope": [1, 2]}}, "unknown key optim.nope"),
         ({"search": {"base_lr": [0.1]}}, "is not a train option"),
         ({"search": {"optim.base_lr": [0.1, -1.0]}}, "optim.base_lr=-1.0 would fail: `--base-lr`"),
-        ({"search": {"optim.base_lr": [0.1]}, "objective": "top5", "pruner": "median"}, "use pruner: none"),
+        ({"search": {"optim.base_lr": [0.1]}, "objective": "images_per_sec_first_epoch"}, "use pruner: none"),
         ({"search": {"optim.base_lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, "grid sampler takes"),
         ({"search": {"optim.base_lr": [0.1, 0.2]}, "sampler": "grid", "trials": 3}, "more than the grid's 2"),
         ({"search": {"optim.base_lr": [0.1]}, "trails": 3}, "unknown key 'trails'"),
@@ -63,6 +63,34 @@ def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, keys, said):
     assert proc.returncode == 2, output_of(proc)
     assert said in proc.stderr, output_of(proc)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("keys", "said"),
+    [
+        # An objective no trial's summary.json has: a typo, or a number of metrics.csv alone.
+        ({"objective": "val_acc", "pruner": "none"}, "`objective` must be a number of each trial's summary.json"),
+        ({"objective": "loss", "pruner": "none"}, "Received: 'loss'"),
+        ({"objective": "accuracy"}, "Received: 'accuracy'"),
+        # A value of `first` its space cannot give.
+        ({"search": {"optim.optimizer": ["sgd", "adamw"]}, "first": [{"optim.optimizer": "adam"}]}, "adam"),
+        ({"search": {"data.batch_size": {"int": [8, 32], "step": 8}}, "first": [{"data.batch_size": 12}]}, "12"),
+        ({"search": {"data.batch_size": {"int": [8, 32]}}, "first": [{"data.batch_size": 64}]}, "64"),
+        ({"search": {"optim.base_lr": {"log_uniform": [0.001, 0.1]}}, "first": [{"optim.base_lr": 0.5}]}, "0.5"),
+    ],
+)
+def test_an_objective_or_a_first_value_no_trial_can_have_is_refused_in_one_line(tmp_path, keys, said):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+
+    keys = {"search": {"optim.base_lr": [0.1]}, **keys}
+    path = sweep_file(tmp_path, tmp_path, epochs=1, **keys)
+    with pytest.raises(UserError) as refused:
+        spec.load(str(path))
+    message = str(refused.value)
+    assert said in message and "\n" not in message, message
+    if "first" in keys:
+        assert "outside its space" in message, message
 
 
 def test_a_held_out_objective_needs_held_out_images(tmp_path):
@@ -290,6 +318,14 @@ def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
     assert summary["counts"]["complete"] == 1
     log = (tmp_path / "out" / "trial-0000" / "trial.log").read_text()
     assert re.match(r"\$ taskset -c [0-9,]+ mpirun -np 1 --bind-to none ", log) and "outputs in" in log, log[:3000]
+    # Every objective a sweep file may name is a number of a trial's summary.json, and every one
+    # pruning may read a column of its metrics.csv.
+    from hvd_train.experiments.spec import EPOCH_METRICS, OBJECTIVES
+
+    run_summary = json.loads((tmp_path / "out" / "trial-0000" / "summary.json").read_text())
+    assert all(isinstance(run_summary[name], int | float) for name in OBJECTIVES), run_summary
+    columns = (tmp_path / "out" / "trial-0000" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert set(EPOCH_METRICS) <= set(OBJECTIVES) & set(columns), columns
 
 
 # --- sweep processes sharing one study --------------------------------------------------------

@@ -10,7 +10,7 @@
       optim.base_lr: {log_uniform: [0.001, 0.1]}
       optim.optimizer: {choices: [sgd, adam]}
       data.batch_size: {int: [16, 64], step: 16}
-    objective: val_accuracy      # a number of summary.json; maximized unless its name says loss
+    objective: val_accuracy      # a number of summary.json (OBJECTIVES); maximized unless its name says loss
     trials: 8
     sampler: tpe                 # tpe | random | grid
     pruner: median               # median | halving | none
@@ -39,8 +39,10 @@ SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "halving", "none")
 LAUNCHERS = ("horovodrun", "mpirun")
 SPACES = ("choices", "uniform", "log_uniform", "int")
-# Numbers of metrics.csv a trial reports after each epoch (for pruning).
-EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "accuracy", "loss", "images_per_sec")
+# The numbers of summary.json a sweep may optimize (training/finish.py writes them at a trial's end).
+OBJECTIVES = ("val_accuracy", "val_loss", "val_top5", "images_per_sec", "images_per_sec_first_epoch")
+# Those metrics.csv also has after each epoch, which a trial reports for pruning.
+EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "images_per_sec")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,23 @@ def _values(space: Space):
     return (space.low, space.high)
 
 
+def _within(space: Space, value: Any) -> bool:
+    """Whether ``space`` can give ``value`` (Optuna refuses a fixed value outside the space)."""
+    if space.kind == "choices":
+        return value in space.values
+    if not isinstance(value, int | float) or isinstance(value, bool) or not space.low <= value <= space.high:
+        return False
+    return space.kind != "int" or (float(value).is_integer() and (int(value) - int(space.low)) % space.step == 0)
+
+
+def _shown(space: Space) -> str:
+    if space.kind == "choices":
+        return f"choices {list(space.values)}"
+    if space.kind == "int":
+        return f"int [{int(space.low)}, {int(space.high)}], step {space.step}"
+    return f"{space.kind} [{space.low:g}, {space.high:g}]"
+
+
 def _check(sweep: Sweep, fail) -> None:
     def _require(ok: bool, message: str) -> None:
         if not ok:
@@ -218,6 +237,11 @@ def _check(sweep: Sweep, fail) -> None:
         _require(not bad, f"the grid sampler takes `choices` and `int` spaces only; {bad[:1]} is continuous.")
         size = math.prod(len(v) for v in sweep.grid().values())
         _require(sweep.trials <= size, f"`trials` ({sweep.trials}) is more than the grid's {size} points.")
+    _require(
+        sweep.objective in OBJECTIVES,
+        f"`objective` must be a number of each trial's summary.json: {', '.join(OBJECTIVES)}. "
+        f"Received: {sweep.objective!r}",
+    )
     if sweep.pruner != "none":
         _require(
             sweep.objective in EPOCH_METRICS,
@@ -230,6 +254,11 @@ def _check(sweep: Sweep, fail) -> None:
             isinstance(entry, dict) and set(entry) <= set(sweep.search),
             f"each entry of `first` must set searched options only ({', '.join(sweep.search)}).",
         )
+        for key, value in entry.items():
+            _require(
+                _within(sweep.search[key], value),
+                f"`first` sets {key}={value!r}, outside its space ({_shown(sweep.search[key])}).",
+            )
     _require(bool((sweep.train.get("data") or {}).get("train")), "set the images to train on: train.data.train.")
     # Every trial's configuration must be one `train` accepts: the corners of each space.
     cfg = None
