@@ -18,7 +18,7 @@ import json
 import numpy as np
 from hvd_train import config
 from hvd_train.distributed import start
-from hvd_train.model.network import Net
+from hvd_train.model.network import Net, keras_optimizer
 from hvd_train.compat import keras, tf
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.training.schedules import WarmupSchedule
@@ -67,6 +67,10 @@ for name, optim, precision in (("sgd", {}, "fp32"), ("adam", {"optimizer": "adam
     net.optimizer.apply_gradients(zip([tf.zeros_like(v) for v in variables], variables))
     out[f"decay_{name}"] = [[v.shape.rank, float(np.max(np.abs(v.numpy() - 0.95 * b))),
                              float(np.max(np.abs(v.numpy() - b)))] for v, b in zip(variables, before)]
+
+# --optimizer adamw alone: Keras's AdamW with the default decay.
+adamw = keras_optimizer(cfg(optimizer="adamw"))
+out["adamw_alone"] = [type(adamw).__name__, float(adamw.weight_decay)]
 
 rng = np.random.default_rng(0)
 centres = rng.normal(size=(3, 6)) * 4
@@ -215,20 +219,21 @@ def test_class_weights_raise_the_minority_class_recall(recipe):
 
 def test_the_recipe_options_go_through_train_and_a_resume(tmp_path, demo_small):
     out = tmp_path / "run"
-    options = ["--optimizer", "adamw", "--weight-decay", "0.05", "--label-smoothing", "0.1", "--class-weights", "auto"]
+    # AdamW with its default weight decay (Keras's), recorded and shown as if given.
+    options = ["--optimizer", "adamw", "--label-smoothing", "0.1", "--class-weights", "auto"]
     options += ["--augment", "randaugment", "--augment-magnitude", "5"]
     first = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *TINY, *options])
     assert first.returncode == 0, output_of(first)
     recorded = yaml.safe_load((out / "run_config.yaml").read_text())
     chosen = [recorded["optim"][k] for k in ("optimizer", "weight_decay", "label_smoothing", "class_weights")]
-    assert chosen == ["adamw", 0.05, 0.1, "auto"]
+    assert chosen == ["adamw", 0.004, 0.1, "auto"]
     assert (recorded["data"]["augment"], recorded["data"]["augment_magnitude"]) == ("randaugment", 5.0)
     more = [*TINY[:-1], "2"]
     second = cli(["train", "--data", demo_small, "--output", out, "--val-split", "0.2", *more, *options])
     assert second.returncode == 0, output_of(second)
     assert "resuming from" in second.stderr, output_of(second)
     recipe = (
-        "--optimizer adamw, --weight-decay 0.05, --label-smoothing 0.1, --class-weights auto, --augment randaugment"
+        "--optimizer adamw, --weight-decay 0.004, --label-smoothing 0.1, --class-weights auto, --augment randaugment"
     )
     assert f"recipe: {recipe}, magnitude 5" in second.stderr, output_of(second)
     # Its checkpoints hold no moving averages: a resume with --ema is refused, saying why.
@@ -294,9 +299,23 @@ def test_early_stop_with_ema_saves_the_best_epochs_averaged_weights_and_resumes(
     assert "early_stop" not in summary and len((out / "metrics.csv").read_text().splitlines()) == 4
 
 
-def test_adamw_without_weight_decay_is_refused(tmp_path, demo_small):
-    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--optimizer", "adamw"])
-    assert proc.returncode == 2 and "--optimizer adamw decays weights" in proc.stderr, output_of(proc)
+def test_adamw_decays_by_keras_default_unless_told_and_an_explicit_zero_is_refused(recipe):
+    from hvd_train import config
+    from hvd_train.cli import build_parser
+    from hvd_train.config.choices import ADAMW_WEIGHT_DECAY
+    from hvd_train.errors import UserError
+
+    def weight_decay(*options):
+        args = build_parser().parse_args(["train", "--data", "d", "--output", "o", *options])
+        return config.from_sources(args).optim.weight_decay
+
+    assert weight_decay("--optimizer", "adamw") == ADAMW_WEIGHT_DECAY == 0.004  # keras.optimizers.AdamW()'s
+    assert weight_decay("--optimizer", "adamw", "--weight-decay", "0.05") == 0.05
+    assert weight_decay("--optimizer", "adam") == weight_decay() == 0.0
+    assert recipe["adamw_alone"] == ["AdamW", ADAMW_WEIGHT_DECAY]
+    # AdamW told to decay by nothing is Adam under another name: refused in one line.
+    with pytest.raises(UserError, match="--optimizer adamw decays weights: give --weight-decay > 0, or leave it out"):
+        weight_decay("--optimizer", "adamw", "--weight-decay", "0")
 
 
 @pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])

@@ -93,6 +93,19 @@ def test_an_objective_or_a_first_value_no_trial_can_have_is_refused_in_one_line(
         assert "outside its space" in message, message
 
 
+def test_a_sweep_over_sgd_and_adamw_gives_adamw_its_default_weight_decay(tmp_path):
+    from hvd_train.config.choices import ADAMW_WEIGHT_DECAY
+    from hvd_train.config.sources import from_mapping
+    from hvd_train.experiments import spec
+
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.optimizer": ["sgd", "adamw"]})
+    sweep = spec.load(str(path))
+    decays = [
+        from_mapping(sweep.trial_config({"optim.optimizer": o}, "t"), "t").optim.weight_decay for o in ("sgd", "adamw")
+    ]
+    assert decays == [0.0, ADAMW_WEIGHT_DECAY]
+
+
 def test_a_held_out_objective_needs_held_out_images(tmp_path):
     path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})
     spec = yaml.safe_load(path.read_text())

@@ -6,7 +6,7 @@ import math
 import os
 from typing import Any
 
-from hvd_train.config.choices import TrainConfig
+from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, TrainConfig
 from hvd_train.data.storage import is_s3, redact_url
 from hvd_train.errors import UserError
 from hvd_train.model import own
@@ -56,11 +56,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(o.lr_drop_period >= 1, "--lr-drop-period", o.lr_drop_period, "use a whole number >= 1")
     _require(o.head_lr_mult > 0, "--head-lr-mult", o.head_lr_mult, "use a number > 0")
     _require(0.0 <= o.weight_decay < 1.0, "--weight-decay", o.weight_decay, "use [0, 1), e.g. 0.05 with adamw")
+    # AdamW with no decay is Adam under another name: a run or a sweep that says adamw and 0 meant one of them.
     _require(
         o.optimizer != "adamw" or o.weight_decay > 0,
         "--weight-decay",
         o.weight_decay,
-        "--optimizer adamw decays weights: give --weight-decay > 0 (e.g. 0.05), or use adam",
+        f"--optimizer adamw decays weights: give --weight-decay > 0, or leave it out for {ADAMW_WEIGHT_DECAY} "
+        "(Keras's default), or use adam",
     )
     _require(
         r.track == "none" or not h.elastic,

@@ -22,6 +22,9 @@ BN_MODES = ("auto", "inference", "train")
 HEAD_NORMS = ("auto", "layer", "none")
 LR_SCHEDULES = ("cosine", "step", "constant")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+# AdamW's weight decay when none is given: Keras's own (``keras.optimizers.AdamW()``), the optimizer
+# built here; PyTorch's AdamW takes 0.01, timm's train.py 2e-5 (docs/training.md, "AdamW").
+ADAMW_WEIGHT_DECAY = 0.004
 TRACKERS = ("none", "mlflow")
 CLASS_WEIGHTS = ("none", "auto")
 EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5")
@@ -180,7 +183,7 @@ class OptimConfig:
 
     Attributes:
         optimizer: ``sgd`` (with momentum), ``adam``, or ``adamw`` (Adam
-            with ``weight_decay``, which it needs).
+            with ``weight_decay``: ``ADAMW_WEIGHT_DECAY`` unless given, never 0).
         base_lr: learning rate of one worker with ``batch_size`` images; it is
             scaled linearly with the global batch (Goyal et al., 2017).
             ``auto``: rank 0 runs the learning-rate range test (``lr_find``)
@@ -195,7 +198,8 @@ class OptimConfig:
         weight_decay: decoupled weight decay (Loshchilov and Hutter): each
             update shrinks every kernel by ``lr * weight_decay`` of itself,
             apart from the gradient; BatchNorm, LayerNorm and bias variables
-            (all of rank 1) are left alone. With any optimizer.
+            (all of rank 1) are left alone. With any optimizer: 0 by default,
+            ``ADAMW_WEIGHT_DECAY`` with ``adamw``.
         label_smoothing: the training loss's targets are ``1 - s`` on the
             label and ``s / classes`` spread over all classes (Szegedy et
             al.); held-out loss and accuracy are scored against plain labels.
@@ -225,7 +229,10 @@ class OptimConfig:
     lr_drop_period: int = _opt(10, "--lr-drop-period", "epochs between step drops")
     head_lr_mult: float = _opt(1.0, "--head-lr-mult", "learning-rate multiplier of the new head (SGD)")
     weight_decay: float = _opt(
-        0.0, "--weight-decay", "decoupled weight decay of the kernels (not norms' or biases' variables), any optimizer"
+        0.0,
+        "--weight-decay",
+        "decoupled weight decay of the kernels (not norms' or biases' variables), any optimizer; "
+        f"with --optimizer adamw the default is {ADAMW_WEIGHT_DECAY} (Keras's)",
     )
     label_smoothing: float = _opt(0.0, "--label-smoothing", "label smoothing of the training loss, in [0, 1)")
     class_weights: str = _opt(

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from hvd_train.config.checks import validate
-from hvd_train.config.choices import TrainConfig
+from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, TrainConfig
 from hvd_train.errors import UserError
 from hvd_train.model import own
 
@@ -110,7 +110,14 @@ def from_mapping(loaded: dict[str, Any], where: str) -> TrainConfig:
 
 
 def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
-    """Makes a TrainConfig from nested section dicts, coercing YAML scalars."""
+    """Makes a TrainConfig from nested section dicts, coercing YAML scalars.
+
+    A default that depends on another choice is filled in here: AdamW's
+    weight decay (``ADAMW_WEIGHT_DECAY``) where none is given.
+    """
+    optim = values.get("optim") or {}
+    if optim.get("optimizer") == "adamw" and "weight_decay" not in optim:
+        values = {**values, "optim": {**optim, "weight_decay": ADAMW_WEIGHT_DECAY}}
     sections = {}
     for section, cls in _section_types().items():
         kwargs = {}
