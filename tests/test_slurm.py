@@ -343,7 +343,7 @@ def test_a_sweep_as_a_job_array_shares_one_postgresql_study(cluster, demo_small,
     # The first values once (one task set the study up), and each task drew values of its own.
     rates = [t.params["optim.base_lr"] for t in kept]
     assert rates.count(0.01) == 1 and len(set(rates)) == 3, rates
-    assert len({t.user_attrs["pid"] for t in kept}) == 2, "both tasks ran trials"
+    assert len({t.user_attrs["claim"]["pid"] for t in kept}) == 2, "both tasks ran trials"
     assert {p.name for p in out.glob("trial-*")} == {f"trial-{t.number:04d}" for t in kept}
     # No password in any log or file the sweep wrote.
     written = [p for p in [*tmp_path.glob("job-*.log"), *out.rglob("*")] if p.is_file() and p.suffix != ".keras"]

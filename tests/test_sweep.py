@@ -360,16 +360,82 @@ def test_a_trial_asked_past_the_count_is_surplus_and_a_retry_never_is():
     assert not studies.surplus(study, retry, 2)
 
 
-def test_a_trial_of_another_host_is_stale_after_missed_beats_counted_from_its_start():
-    from hvd_train.experiments.study import STALE_BEATS, is_stale
+def _state_of(study, number: int) -> str:
+    return study.trials[number].state.name
 
-    other = {"host": "elsewhere", "pid": 1}
-    window = STALE_BEATS * 10
-    # Just asked for, no heartbeat yet: not stale until the window has passed since its start.
-    assert not is_stale(other, 10, now=1000.0, started=1000.0 - window + 1)
-    assert is_stale(other, 10, now=1000.0, started=1000.0 - window - 1)
-    assert not is_stale({**other, "alive": 990.0}, 10, now=1000.0, started=0.0)
-    assert is_stale({**other, "alive": 1000.0 - window - 1}, 10, now=1000.0)
+
+def test_a_trial_of_another_host_is_stale_once_its_heartbeat_stops_whatever_that_hosts_clock(tmp_path):
+    from hvd_train.experiments import study as studies
+
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    heartbeat = 0.05
+    watch = studies.Watch(heartbeat)
+    for skew in (-3600.0, 3600.0):  # the other host's clock an hour behind this one's, then ahead
+        trial = study.ask()
+        trial.set_user_attr("claim", {"host": "elsewhere", "pid": 1, "pid_start": "1"})
+        for beat in range(2 * studies.STALE_BEATS):  # beating for twice the window: never handed back
+            trial.set_user_attr("alive", time.time() + skew + beat)
+            last_beat = time.monotonic()
+            studies.hand_back_stale(study, watch)
+            assert _state_of(study, trial.number) == "RUNNING", (skew, beat)
+            time.sleep(heartbeat)
+        # Its beats stop: handed back once they have not changed for STALE_BEATS heartbeats of this clock.
+        while _state_of(study, trial.number) == "RUNNING":
+            assert time.monotonic() - last_beat < 10 * studies.STALE_BEATS * heartbeat, "never handed back"
+            studies.hand_back_stale(study, watch)
+            time.sleep(heartbeat / 5)
+        assert time.monotonic() - last_beat >= studies.STALE_BEATS * heartbeat
+        assert study.trials[-1].user_attrs["retry_of"] == trial.number
+
+
+def test_a_trial_of_this_host_is_stale_when_its_sweep_process_is_gone(tmp_path):
+    import subprocess
+
+    from hvd_train.experiments import study as studies
+
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    watch = studies.Watch(heartbeat=3600)  # no heartbeat could run out in this test
+    mine = study.ask()
+    studies.claim(mine)
+    gone = subprocess.Popen(["sleep", "60"])  # a sweep process of this host, then no more
+    claim = {"host": studies.HOST, "pid": gone.pid, "pid_start": studies.process_start(gone.pid)}
+    gone.kill()
+    gone.wait()
+    lost = study.ask()
+    lost.set_user_attr("claim", claim)
+    studies.hand_back_stale(study, watch)
+    assert [_state_of(study, n) for n in (mine.number, lost.number)] == ["RUNNING", "FAIL"]
+
+
+def test_a_claim_is_never_read_half_written(tmp_path):
+    """Another sweep process reads the trials while this one claims them: none may look stale."""
+    import threading
+
+    from hvd_train.experiments import study as studies
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="s", storage=url)
+    reader = optuna.load_study(study_name="s", storage=optuna.storages.RDBStorage(url))
+    watch = studies.Watch(heartbeat=3600)
+    stale, reads, done = [], [0], threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            for t in reader.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+                reads[0] += 1
+                if watch.stale(t.number, t.user_attrs):
+                    stale.append((t.number, dict(t.user_attrs)))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        for _ in range(20):
+            studies.claim(study.ask())
+            time.sleep(0.005)
+    finally:
+        done.set()
+        thread.join()
+    assert reads[0] > 20 and not stale, stale[:3]
 
 
 def test_a_wrong_password_is_a_clear_error_that_shows_no_password(tmp_path, postgres_url):

@@ -5,13 +5,17 @@ by default, or a database URL (PostgreSQL) that sweep processes on many
 machines share. ``optuna-dashboard URL`` reads it as it runs.
 
 Trials are asked for and told by the sweep (Optuna's ask-and-tell). Each
-running trial records where its sweep process runs (``host``, ``pid``) and
-a heartbeat (``alive``). A trial whose sweep process is gone (the same
-host, the process no longer there) or silent for ``STALE_BEATS`` heartbeats
-(another host) is handed back: marked failed, and enqueued again with the
-same options and folder, so the next sweep process to ask takes it up and
-its job resumes from its checkpoint. A trial handed back does not count
-towards the sweep's trials; its retry does.
+running trial records where its sweep process runs (``claim``: host, pid
+and the process's start, in one attribute, so that no other process reads
+it half written) and a heartbeat (``alive``: its host's clock at each
+beat). A trial whose sweep process is gone (the same host, the process no
+longer there) or whose heartbeat has not changed for ``STALE_BEATS``
+heartbeats (another host; timed by the clock of the process that watches,
+as the two hosts' clocks may be minutes apart: see ``Watch``) is handed
+back: marked failed, and enqueued again with the same options and folder,
+so the next sweep process to ask takes it up and its job resumes from its
+checkpoint. A trial handed back does not count towards the sweep's
+trials; its retry does.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from hvd_train.log import get_logger
 
 log = get_logger("sweep")
 
-# A trial on another host is stale after this many missed heartbeats.
+# A trial on another host is stale after its heartbeat has not changed for this many heartbeats.
 STALE_BEATS = 6
 
 HOST = socket.gethostname()
@@ -210,7 +214,7 @@ def running_elsewhere(study) -> int:
     return sum(
         1
         for t in study.get_trials(deepcopy=False, states=(op.trial.TrialState.RUNNING,))
-        if (t.user_attrs.get("host"), t.user_attrs.get("pid")) != (HOST, os.getpid())
+        if claimed_by(t.user_attrs)[:2] != (HOST, os.getpid())
     )
 
 
@@ -225,11 +229,17 @@ def waiting(study) -> int:
 
 
 def claim(trial) -> None:
-    """Records that this process runs ``trial``, and its first heartbeat."""
-    trial.set_user_attr("host", HOST)
-    trial.set_user_attr("pid", os.getpid())
-    trial.set_user_attr("pid_start", process_start(os.getpid()))
+    """Records that this process runs ``trial``, in one attribute (one commit: never read half
+    written, which would take a claim without its process's start for a process gone), then the
+    first heartbeat."""
+    trial.set_user_attr("claim", {"host": HOST, "pid": os.getpid(), "pid_start": process_start(os.getpid())})
     beat(trial)
+
+
+def claimed_by(attrs: dict) -> tuple:
+    """``(host, pid, pid_start)`` of the sweep process that claimed a trial (Nones before its claim)."""
+    found = attrs.get("claim") or {}
+    return found.get("host"), found.get("pid"), found.get("pid_start")
 
 
 def beat(trial) -> None:
@@ -245,17 +255,35 @@ def process_start(pid: int) -> str:
         return ""
 
 
-def is_stale(attrs: dict, heartbeat: float, now: float | None = None, started: float = 0.0) -> bool:
-    """Whether a running trial's sweep process is gone (see the module docstring).
+class Watch:
+    """Which running trials' sweep processes are gone, as this sweep process sees them.
 
-    Args:
-        started: when the trial started (seconds since the epoch): a trial
-            just asked for has no heartbeat yet, and counts from there.
+    One of this host is gone when its process is (its pid no longer there,
+    or another process's). One of another host is gone when its heartbeat
+    has not changed for ``STALE_BEATS`` heartbeats of this process's
+    monotonic clock: the other host's clock is only read for a change,
+    never compared with this one's. A trial not yet claimed (just asked
+    for) is watched the same way.
     """
-    if attrs.get("host") == HOST and attrs.get("pid") is not None:
-        return process_start(int(attrs["pid"])) != attrs.get("pid_start")
-    last = float(attrs.get("alive", started))
-    return (now or time.time()) - last > STALE_BEATS * heartbeat
+
+    def __init__(self, heartbeat: float):
+        self.heartbeat = heartbeat
+        self.seen: dict[int, tuple] = {}  # trial number -> (its heartbeat, when this process first saw it)
+
+    def stale(self, number: int, attrs: dict, now: float | None = None) -> bool:
+        host, pid, pid_start = claimed_by(attrs)
+        if host == HOST and pid is not None:
+            return process_start(int(pid)) != pid_start
+        now = time.monotonic() if now is None else now
+        last = attrs.get("alive")
+        seen = self.seen.get(number)
+        if seen is None or seen[0] != last:
+            self.seen[number] = (last, now)
+            return False
+        return now - seen[1] > STALE_BEATS * self.heartbeat
+
+    def forget_all_but(self, numbers: set[int]) -> None:
+        self.seen = {n: v for n, v in self.seen.items() if n in numbers}
 
 
 def tell(study, trial, value=None, **state) -> None:
@@ -293,11 +321,13 @@ def hand_back(study, frozen, why: str) -> bool:
     return True
 
 
-def hand_back_stale(study, heartbeat: float) -> None:
+def hand_back_stale(study, watch: Watch) -> None:
+    """Hands back every running trial whose sweep process ``watch`` finds gone."""
     op = optuna()
-    for frozen in study.get_trials(deepcopy=False, states=(op.trial.TrialState.RUNNING,)):
-        started = frozen.datetime_start.timestamp() if frozen.datetime_start else time.time()
-        if is_stale(frozen.user_attrs, heartbeat, started=started):
+    running = study.get_trials(deepcopy=False, states=(op.trial.TrialState.RUNNING,))
+    watch.forget_all_but({t.number for t in running})
+    for frozen in running:
+        if watch.stale(frozen.number, frozen.user_attrs):
             hand_back(study, frozen, "lost its sweep process")
 
 

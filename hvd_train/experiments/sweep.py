@@ -45,6 +45,7 @@ class SweepRun:
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self.errors: list[BaseException] = []
+        self.watch = studies.Watch(sweep.heartbeat)
 
     def run(self) -> int:
         sweep = self.sweep
@@ -124,7 +125,7 @@ class SweepRun:
         said = False
         while not self.stopping.is_set():
             with self.lock:
-                studies.hand_back_stale(study, sweep.heartbeat)
+                studies.hand_back_stale(study, self.watch)
                 if studies.waiting(study) or studies.counted(study) < sweep.trials:
                     trial = study.ask()
                     studies.claim(trial)
