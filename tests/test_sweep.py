@@ -321,7 +321,7 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
             assert float(logged.data.params["optim.base_lr"]) == row["params"]["optim.base_lr"]
 
 
-def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
+def test_a_trial_runs_under_plain_mpirun_too_and_a_second_study_in_its_folder_has_its_own(tmp_path, demo_small):
     path = sweep_file(
         tmp_path, demo_small, epochs=1, search={"run.seed": [1]}, trials=1, pruner="none", launcher="mpirun"
     )
@@ -329,6 +329,16 @@ def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
     assert proc.returncode == 0, output_of(proc)
     summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert summary["counts"]["complete"] == 1
+    first_pages = {name: (tmp_path / "out" / name).read_bytes() for name in ("sweep.json", "sweep.html", "best.yaml")}
+    # Another study in the same folder: its trials and pages in a folder of its own; the first's untouched.
+    (tmp_path / "second").mkdir()
+    other = sweep_file(tmp_path / "second", demo_small, epochs=1, search={"run.seed": [2]}, trials=1, pruner="none")
+    proc = run([*HVD_TRAIN, "sweep", other, "--output", tmp_path / "out", "--study", "other"], timeout=600)
+    assert proc.returncode == 0, output_of(proc)
+    assert "done already" not in (tmp_path / "out" / "other" / "trial-0000" / "trial.log").read_text()
+    second = json.loads((tmp_path / "out" / "other" / "sweep.json").read_text())
+    assert (second["study"], second["rows"][0]["params"]) == ("other", {"run.seed": 2}), second
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in first_pages} == first_pages
     log = (tmp_path / "out" / "trial-0000" / "trial.log").read_text()
     assert re.match(r"\$ taskset -c [0-9,]+ mpirun -np 1 --bind-to none ", log) and "outputs in" in log, log[:3000]
     # Every objective a sweep file may name is a number of a trial's summary.json, and every one
@@ -342,6 +352,57 @@ def test_a_trial_runs_under_plain_mpirun_too(tmp_path, demo_small):
 
 
 # --- sweep processes sharing one study --------------------------------------------------------
+
+
+def test_each_study_of_a_folder_has_a_folder_of_its_own_and_one_made_before_goes_on_in_place(tmp_path):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+    from hvd_train.experiments import study as studies
+
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def folder_of(name=None) -> str:
+        return studies.study_folder(studies.open_study(spec.load(str(path), study=name), str(out)), str(out))
+
+    assert folder_of() == folder_of("out") == str(out)  # the study named after its folder
+    assert folder_of("other") == str(out / "other")
+    # A study made before studies had folders of their own goes on where its trials are.
+    earlier = optuna.create_study(study_name="earlier", storage=f"sqlite:///{out / 'study.db'}", direction="maximize")
+    earlier.set_user_attr("objective", "val_accuracy")
+    assert folder_of("earlier") == str(out)
+    for name in ("../elsewhere", "trial-0001", "a b"):
+        with pytest.raises(UserError, match="cannot be a folder of its own"):
+            folder_of(name)
+
+
+def test_a_trial_folder_of_other_options_is_refused_at_once(tmp_path):
+    """Another sweep's trial (its job still running, its folder locked): refused, not waited for."""
+    import fcntl
+    import threading
+
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+    from hvd_train.experiments.trial import Slot, TrialJob
+
+    sweep = spec.load(str(sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1, 0.2]})))
+    folder = tmp_path / "out" / "trial-0000"
+    folder.mkdir(parents=True)
+    written = yaml.safe_dump(sweep.trial_config({"optim.base_lr": 0.1}, str(folder)))
+    (folder / "trial.yaml").write_text(written)
+    stopping = threading.Event()
+    stopping.set()  # were it to wait for the folder's lock, it would give up at once
+    with open(folder / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        job = TrialJob(sweep, str(folder), {"optim.base_lr": 0.2}, Slot(0, (0,)), stopping)
+        with pytest.raises(UserError, match=r"trial-0000 holds a trial of optim.base_lr=0.1, not 0.2: another sweep's"):
+            job.run(trial=None)
+        # The same options: its own (a retry), which waits for the lock.
+        assert (
+            TrialJob(sweep, str(folder), {"optim.base_lr": 0.1}, Slot(0, (0,)), stopping).run(None).state == "stopped"
+        )
+    assert (folder / "trial.yaml").read_text() == written
 
 
 def test_a_trial_asked_past_the_count_is_surplus_and_a_retry_never_is():

@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
         "in OUTPUT/trial-NNNN, searched by Optuna (grid, random or TPE), hopeless ones pruned early (median or "
         "successive halving). "
         "Writes OUTPUT/sweep.html, sweep.json and best.yaml (the best trial's configuration, for "
-        "`hvd-train train --config`). Stopped (SIGTERM), the same command goes on.",
+        "`hvd-train train --config`). A study named otherwise than OUTPUT (--study) has all of these in "
+        "OUTPUT/STUDY. Stopped (SIGTERM), the same command goes on.",
     )
     parser.add_argument("sweep_file", metavar="SWEEP.yaml", help="the sweep: base options, searched options, trials")
     parser.add_argument("--output", required=True, help="the sweep's folder (its study, trials and pages)")
@@ -25,7 +26,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--storage", help="the study's database URL, e.g. postgresql://user@host/db (default: OUTPUT/study.db)"
     )
-    parser.add_argument("--study", help="the study's name in the storage (default: the --output folder's name)")
+    parser.add_argument(
+        "--study",
+        help="the study's name in the storage (default: the --output folder's name); another name has its "
+        "trials and pages in OUTPUT/STUDY",
+    )
     parser.set_defaults(run=run)
 
 

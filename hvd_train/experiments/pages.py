@@ -15,7 +15,6 @@ from typing import Any
 import yaml
 
 from hvd_train import files
-from hvd_train.data.storage import redact_url
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.results import report_page
@@ -25,8 +24,9 @@ PAGE = "sweep.html"
 BEST = "best.yaml"
 
 
-def summarize(sweep: Sweep, study, folder: str) -> dict[str, Any]:
-    """The trials (handed-back ones left out), the best one, and what pruning saved."""
+def summarize(sweep: Sweep, study, storage: str) -> dict[str, Any]:
+    """The trials (handed-back ones left out), the best one, and what pruning saved; ``storage``: the
+    study's storage as shown (no password)."""
     epochs = sweep.epochs()
     rows = []
     for t in studies.kept(study):
@@ -53,7 +53,7 @@ def summarize(sweep: Sweep, study, folder: str) -> dict[str, Any]:
     saved = sum(max(0, epochs - (r["epochs"] or 0)) for r in pruned)
     return {
         "study": study.study_name,
-        "storage": redact_url(studies.storage_url(sweep, folder)),
+        "storage": storage,
         "objective": sweep.objective,
         "direction": sweep.direction,
         "trials": sweep.trials,
@@ -66,9 +66,9 @@ def summarize(sweep: Sweep, study, folder: str) -> dict[str, Any]:
     }
 
 
-def write(sweep: Sweep, study, folder: str) -> dict[str, Any]:
-    """Writes the three files; returns the summary."""
-    summary = summarize(sweep, study, folder)
+def write(sweep: Sweep, study, folder: str, storage: str) -> dict[str, Any]:
+    """Writes the three files in ``folder`` (the study's, with its trials' folders); returns the summary."""
+    summary = summarize(sweep, study, storage)
     with files.replacing(os.path.join(folder, SUMMARY), "w") as f:
         json.dump(summary, f, indent=1)
     if summary["best"] is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import socket
 import time
 from typing import Any
@@ -64,11 +65,13 @@ def open_study(sweep: Sweep, folder: str):
     points the seed sets).
     """
     op = optuna()
-    name = sweep.study or os.path.basename(os.path.abspath(folder))
+    name = study_name(sweep, folder)
     url = storage_url(sweep, folder)
     shown = redact_url(url)
     try:
         storage = _storage(op, url)
+        if name != default_name(folder) and name not in op.get_all_study_names(storage):
+            _check_folder_name(name, folder)
         try:
             study = op.create_study(
                 study_name=name, storage=storage, pruner=_pruner(op, sweep), direction=sweep.direction
@@ -81,6 +84,8 @@ def open_study(sweep: Sweep, folder: str):
         raise UserError(
             f"the study's storage {shown} needs a database driver ({e}): pip install 'hvd_train[sweep]'."
         ) from None
+    except UserError:
+        raise
     except Exception as e:  # SQLAlchemy's errors: a server that is not there, a wrong password
         raise UserError(f"cannot open the study {name!r} in {shown} ({first_line(e)}); check `storage`.") from None
     if study.direction.name.lower() != sweep.direction:
@@ -89,6 +94,7 @@ def open_study(sweep: Sweep, folder: str):
             f"{sweep.direction}s: name another `study` or choose another --output."
         )
     if created:
+        study.set_user_attr("folder", "" if name == default_name(folder) else name)
         for params in sweep.first:
             study.enqueue_trial(dict(params))
         study.set_user_attr("objective", sweep.objective)  # last: the study is set up
@@ -102,6 +108,38 @@ def open_study(sweep: Sweep, folder: str):
     seed = sweep.seed if created or sweep.sampler == "grid" else _own_seed(sweep.seed)
     study.sampler = _sampler(op, sweep, seed)
     return study
+
+
+def default_name(folder: str) -> str:
+    """The name of a sweep's study unless ``study`` names one: its folder's."""
+    return os.path.basename(os.path.abspath(folder))
+
+
+def study_name(sweep: Sweep, folder: str) -> str:
+    return sweep.study or default_name(folder)
+
+
+def study_folder(study, folder: str) -> str:
+    """Where ``study``'s trials and pages are: the sweep's ``folder`` for the study named after it,
+    a folder of its own in it (its name) for any other, so that studies sharing ``folder`` (and its
+    study.db) never share a trial's folder. A study made before studies had folders of their own
+    has its trials in ``folder``, and goes on there."""
+    own = study.user_attrs.get("folder", "")
+    return os.path.join(folder, own) if own else folder
+
+
+def _check_folder_name(name: str, folder: str) -> None:
+    """A new study of a name other than its folder's gets a folder of that name, which must be one."""
+    where = os.path.join(folder, name)
+    if (
+        not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name)
+        or re.fullmatch(r"trial-\d+", name)
+        or (os.path.exists(where) and not os.path.isdir(where))
+    ):
+        raise UserError(
+            f"the study {name!r} would have its trials in {where}, which cannot be a folder of its own: name "
+            "the study with letters, digits, '.', '_' and '-' (not trial-NNNN, nor a file of the sweep's)."
+        )
 
 
 def _storage(op, url: str, attempts: int = 5):

@@ -52,14 +52,18 @@ class SweepRun:
         os.makedirs(self.folder, exist_ok=True)
         places = slots(sweep.parallel, sweep.workers)
         self.study = studies.open_study(sweep, self.folder)
+        self.storage = redact_url(studies.storage_url(sweep, self.folder))
+        self.pages = studies.study_folder(self.study, self.folder)  # its trials' folders and its pages
+        os.makedirs(self.pages, exist_ok=True)
         log.info(
-            "sweep %s: %d trials of %s, %d at once x %d worker(s); study in %s",
+            "sweep %s: %d trials of %s, %d at once x %d worker(s) in %s; study in %s",
             self.study.study_name,
             sweep.trials,
             sweep.objective,
             sweep.parallel,
             sweep.workers,
-            redact_url(studies.storage_url(sweep, self.folder)),
+            self.pages,
+            self.storage,
         )
         previous = {sig: signal.signal(sig, self._stop) for sig in STOP_SIGNALS}
         try:
@@ -72,7 +76,7 @@ class SweepRun:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        summary = pages.write(sweep, self.study, self.folder)
+        summary = pages.write(sweep, self.study, self.pages, self.storage)
         if self.errors:
             raise self.errors[0]
         counts, best = summary["counts"], summary["best"]
@@ -86,7 +90,7 @@ class SweepRun:
             )
             return EXIT_PREEMPTED
         if best is None:
-            log.error("error: no trial finished (%s); see each trial's trial.log in %s", done, self.folder)
+            log.error("error: no trial finished (%s); see each trial's trial.log in %s", done, self.pages)
             return 1
         log.info(
             "sweep done: %s; best trial %d, %s %.4f; %s, %s, %s",
@@ -94,7 +98,7 @@ class SweepRun:
             best["number"],
             sweep.objective,
             best["value"],
-            *(os.path.join(self.folder, name) for name in (pages.BEST, pages.PAGE, pages.SUMMARY)),
+            *(os.path.join(self.pages, name) for name in (pages.BEST, pages.PAGE, pages.SUMMARY)),
         )
         return 0
 
@@ -153,7 +157,7 @@ class SweepRun:
             shown,
             f" (goes on from trial {retry}'s checkpoint)" if retry is not None else "",
         )
-        job = TrialJob(sweep, os.path.join(self.folder, name), params, slot, self.stopping, self.study.study_name)
+        job = TrialJob(sweep, os.path.join(self.pages, name), params, slot, self.stopping, self.study.study_name)
         try:
             outcome = job.run(trial)
         except UserError as e:
@@ -186,7 +190,7 @@ class SweepRun:
             return
         if outcome.state == "complete":
             studies.tell(self.study, trial, outcome.value)
-            report_page.write_or_warn(os.path.join(self.folder, trial.user_attrs["folder"]))
+            report_page.write_or_warn(os.path.join(self.pages, trial.user_attrs["folder"]))
             best = self.study.best_trial
             log.info(
                 "trial %d: %s %.4f in %.0f s; best so far: trial %d, %.4f",
@@ -203,7 +207,7 @@ class SweepRun:
         else:
             studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
             log.warning("trial %d failed: %s", trial.number, outcome.note)
-        pages.write(sweep, self.study, self.folder)
+        pages.write(sweep, self.study, self.pages, self.storage)
 
 
 def _short(value) -> str:

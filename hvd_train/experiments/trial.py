@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from hvd_train import files
+from hvd_train.config import sources
+from hvd_train.errors import UserError
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.log import get_logger
@@ -65,8 +67,6 @@ def slots(parallel: int, workers: int) -> list[Slot]:
     Raises:
         UserError: fewer cores than slots, or fewer GPUs than trials x workers.
     """
-    from hvd_train.errors import UserError
-
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < parallel:
         raise UserError(f"{parallel} trials at once need {parallel} cores at least; this process may use {len(cores)}.")
@@ -119,6 +119,7 @@ class TrialJob:
 
     def run(self, trial) -> Outcome:
         os.makedirs(self.folder, exist_ok=True)
+        self._check_own_folder()  # before its lock: another sweep's job may hold that for hours
         lock = self._lock(trial)
         if lock is None:  # the sweep stopped while the earlier job of this folder ended
             return Outcome("stopped", note="stopped before it started")
@@ -146,6 +147,26 @@ class TrialJob:
             os.close(lock)
         outcome.seconds = time.monotonic() - started
         return outcome
+
+    def _check_own_folder(self) -> None:
+        """Refuses a folder whose trial.yaml has other values of the searched options: another
+        sweep's trial, whose checkpoints this one would resume and report as its own.
+
+        Raises:
+            UserError: naming the folder, the option and both values.
+        """
+        path = os.path.join(self.folder, CONFIG)
+        if not os.path.exists(path):
+            return
+        found = sources.read_yaml(path, "trial file", "move the folder away")
+        for key, value in self.params.items():
+            section, name = key.split(".", 1)
+            there = (found.get(section) or {}).get(name, "(not set)")
+            if there != value:
+                raise UserError(
+                    f"{self.folder} holds a trial of {key}={there!r}, not {value!r}: another sweep's (its "
+                    f"trial.yaml); give this sweep another --output, or move that folder away."
+                )
 
     def command(self) -> list[str]:
         train = [sys.executable, "-m", "hvd_train", "train", "--config", os.path.join(self.folder, CONFIG)]
@@ -187,8 +208,6 @@ class TrialJob:
                     return None
                 if time.monotonic() > deadline:
                     os.close(fd)
-                    from hvd_train.errors import UserError
-
                     raise UserError(
                         f"{self.folder} is still used by an earlier job after {LOCK_WAIT:.0f} s; end it and rerun."
                     ) from None
