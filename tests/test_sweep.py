@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import optuna
@@ -266,10 +267,56 @@ def test_the_best_trial_is_written_as_a_config_train_takes(resumed_sweep):
     assert (cfg.optim.base_lr, cfg.run.seed) == (best["params"]["optim.base_lr"], best["params"]["run.seed"])
     assert cfg.run.output == str(out.resolve() / "best")
     page = (out / "sweep.html").read_text()
-    ranked = sorted(summary["rows"], key=lambda r: -r["value"])
-    places = [page.index(f"href='{r['folder']}/report.html'") for r in ranked]
-    assert places == sorted(places), "the trials table is not sorted by the objective"
+    # Each trial linked to its report (the order of the table: test_the_page_ranks_trials_by_the_objective...).
+    assert all(f"href='{r['folder']}/report.html'" in page for r in summary["rows"]), page
     assert "data:image/png;base64," in page
+    # The importances, or a line saying the four trials tie (their values may well, on 25 held-out images).
+    tie = "the options' importances cannot be told apart"
+    assert (tie in page) == (tie in resumed_sweep["resumed"].stderr) == summary["importances_tie"], summary
+    assert ("Option importances (PED-ANOVA)" in page) != summary["importances_tie"]
+
+
+def _pages_of(tmp_path: Path, values: list[float]):
+    """``sweep.json`` and ``sweep.html`` of a real study whose trials ended with ``values``, in that order."""
+    from optuna.distributions import FloatDistribution, IntDistribution
+
+    from hvd_train.experiments import pages, spec
+
+    path = sweep_file(
+        tmp_path,
+        tmp_path,
+        epochs=1,
+        search={"optim.base_lr": {"log_uniform": [0.001, 0.1]}, "run.seed": {"int": [1, 9]}},
+    )
+    sweep = spec.load(str(path))
+    study = optuna.create_study(direction="maximize")
+    spaces = {"optim.base_lr": FloatDistribution(0.001, 0.1, log=True), "run.seed": IntDistribution(1, 9)}
+    for number, value in enumerate(values):
+        params = {"optim.base_lr": 0.01 * (number + 1), "run.seed": number + 1}
+        attrs = {"folder": f"trial-{number:04d}", "epochs": 1, "seconds": 12.345}
+        study.add_trial(optuna.trial.create_trial(params=params, distributions=spaces, value=value, user_attrs=attrs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of Optuna's reaches the sweep's log
+        summary = pages.write(sweep, study, str(tmp_path), "sqlite:///study.db")
+    page = (tmp_path / "sweep.html").read_text()
+    ranked = re.findall(r'<tr><td>(\d+)</td><td class="name">complete</td><td>([0-9.]+)</td>', page)
+    return summary, page, [(int(n), float(v)) for n, v in ranked]
+
+
+def test_the_page_ranks_trials_by_the_objective_and_ties_by_number(tmp_path):
+    summary, page, ranked = _pages_of(tmp_path, [0.5, 0.9, 0.7, 0.9])
+    assert ranked == [(1, 0.9), (3, 0.9), (2, 0.7), (0, 0.5)], ranked
+    assert summary["best"]["number"] == 1 and not summary["importances_tie"]
+    assert "Option importances (PED-ANOVA)" in page and set(summary["importances"]) == {"optim.base_lr", "run.seed"}
+
+
+def test_trials_that_all_tie_say_so_instead_of_importances_and_seconds_are_whole(tmp_path):
+    summary, page, ranked = _pages_of(tmp_path, [0.6, 0.6, 0.6])
+    assert ranked == [(0, 0.6), (1, 0.6), (2, 0.6)]
+    assert summary["importances_tie"] and summary["importances"] == {}
+    assert "the trials tie on val_accuracy: the options' importances cannot be told apart" in page
+    assert "PED-ANOVA" not in page and "0.5000" not in page
+    assert "<td>12</td>" in page and "12.3450" not in page  # the seconds column
 
 
 # --- pruning ---------------------------------------------------------------------------------

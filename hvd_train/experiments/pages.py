@@ -10,6 +10,7 @@ import html
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 import yaml
@@ -51,6 +52,7 @@ def summarize(sweep: Sweep, study, storage: str) -> dict[str, Any]:
         best = pick(done, key=lambda r: r["value"])
     pruned = [r for r in rows if r["state"] == "pruned"]
     saved = sum(max(0, epochs - (r["epochs"] or 0)) for r in pruned)
+    importances, tie = _importances(study)
     return {
         "study": study.study_name,
         "storage": storage,
@@ -62,6 +64,8 @@ def summarize(sweep: Sweep, study, storage: str) -> dict[str, Any]:
         "epochs_per_trial": epochs,
         "epochs_run": sum(r["epochs"] or 0 for r in rows),
         "epochs_saved_by_pruning": saved,
+        "importances": importances,
+        "importances_tie": tie,
         "rows": rows,
     }
 
@@ -129,7 +133,7 @@ def render(sweep: Sweep, study, summary: dict[str, Any], folder: str) -> str:
             r["value"],
             *(r["params"].get(k) for k in keys),
             r["epochs"],
-            r["seconds"],
+            None if r["seconds"] is None else round(r["seconds"]),  # whole seconds
             r["note"],
             r["folder"],
         ]
@@ -147,10 +151,11 @@ def render(sweep: Sweep, study, summary: dict[str, Any], folder: str) -> str:
     if finished:
         out.append(f"<h2>{html.escape(sweep.objective)} against each option</h2>")
         out.append(f"<img src='{report_page.png_data(lambda buf: _scatter(sweep, finished, buf))}' alt='options'>")
-    importances = _importances(study)
-    if importances:
+    if summary["importances"]:
         out.append("<h2>Option importances (PED-ANOVA)</h2>")
-        out.append(report_page.table(["option", "importance"], [[k, v] for k, v in importances.items()]))
+        out.append(report_page.table(["option", "importance"], [[k, v] for k, v in summary["importances"].items()]))
+    elif summary["importances_tie"]:
+        out.append(f"<h2>Option importances</h2><p>{html.escape(tie_note(sweep), quote=False)}</p>")
     out.append(
         "<p class='note'>Pruned trials show the last value they reported. "
         f"Read the study as it runs: <code>optuna-dashboard {html.escape(summary['storage'])}</code>.</p>"
@@ -159,15 +164,30 @@ def render(sweep: Sweep, study, summary: dict[str, Any], folder: str) -> str:
     return "\n".join(out)
 
 
-def _importances(study) -> dict[str, float]:
+def tie_note(sweep: Sweep) -> str:
+    return f"the trials tie on {sweep.objective}: the options' importances cannot be told apart"
+
+
+def _importances(study) -> tuple[dict[str, float], bool]:
+    """PED-ANOVA's importance of each option (from 3 finished trials), and whether the trials tie.
+
+    Where the best trials cannot be told from the rest (every value the
+    same), PED-ANOVA warns and gives each option the same share: not an
+    importance, so none is shown, and the tie is said instead.
+    """
     op = studies.optuna()
     complete = study.get_trials(deepcopy=False, states=(op.trial.TrialState.COMPLETE,))
     if len(complete) < 3:
-        return {}
-    try:
-        return {k: float(v) for k, v in op.importance.get_param_importances(study).items()}
-    except (ValueError, RuntimeError):  # e.g. every trial the same value
-        return {}
+        return {}, False
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            found = {k: float(v) for k, v in op.importance.get_param_importances(study).items()}
+        except (ValueError, RuntimeError):
+            found = {}
+    if any("importances will be equal" in str(w.message) for w in said):
+        return {}, True
+    return found, False
 
 
 def _scatter(sweep: Sweep, rows: list[dict], buffer) -> None:

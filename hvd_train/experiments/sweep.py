@@ -79,6 +79,8 @@ class SweepRun:
         summary = pages.write(sweep, self.study, self.pages, self.storage)
         if self.errors:
             raise self.errors[0]
+        if summary["importances_tie"]:
+            log.info("%s", pages.tie_note(sweep))
         counts, best = summary["counts"], summary["best"]
         done = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         if self.stopping.is_set():
