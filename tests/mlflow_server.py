@@ -1,6 +1,7 @@
-"""A real MLflow tracking server on 127.0.0.1 (its own process, SQLite backend, artefacts served), and
-its runs read back with MLflow's client, as a user would."""
+"""A real MLflow tracking server on 127.0.0.1 (its own process, SQLite backend, artefacts served), over
+HTTP or HTTPS, and its runs read back with MLflow's client, as a user would."""
 
+import ssl
 import subprocess
 import sys
 import time
@@ -9,10 +10,14 @@ from pathlib import Path
 
 
 class MlflowServer:
-    """``with MlflowServer(folder, port) as uri``: the server runs inside the block."""
+    """``with MlflowServer(folder, port) as uri``: the server runs inside the block.
 
-    def __init__(self, folder: Path, port: int):
-        self.folder, self.port = folder, port
+    Args:
+        tls: ``(certificate, key)`` PEM files: the server speaks HTTPS with them (see ``self_signed``).
+    """
+
+    def __init__(self, folder: Path, port: int, tls: tuple[Path, Path] | None = None):
+        self.folder, self.port, self.tls = folder, port, tls
 
     def __enter__(self) -> str:
         self.log = open(self.folder / "server.log", "wb")  # noqa: SIM115 - the server's whole life
@@ -30,16 +35,18 @@ class MlflowServer:
                 str(self.folder / "artifacts"),
                 "--workers",
                 "1",
+                *(["--uvicorn-opts", f"--ssl-certfile {self.tls[0]} --ssl-keyfile {self.tls[1]}"] if self.tls else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=self.log,
             start_new_session=True,
         )
-        uri = f"http://127.0.0.1:{self.port}"
+        uri = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+        trusted = ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else None
         deadline = time.monotonic() + 120
         while True:
             try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2, context=trusted) as r:
                     if r.status == 200:
                         return uri
             except OSError:
@@ -71,3 +78,36 @@ def mlflow_runs_of(uri: str, experiment: str):
     found = client.get_experiment_by_name(experiment)
     assert found is not None, f"no experiment {experiment}"
     return client, client.search_runs([found.experiment_id])
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, as PEM files in ``folder``."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "server.pem", folder / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path

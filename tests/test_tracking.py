@@ -102,6 +102,65 @@ def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, 
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
+# --- a tracking server over HTTPS, its certificate self-signed -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def https_mlflow(tmp_path_factory):
+    from mlflow_server import MlflowServer, self_signed
+
+    folder = tmp_path_factory.mktemp("mlflow-https")
+    certificate, key = self_signed(folder)
+    with MlflowServer(folder, free_port(), tls=(certificate, key)) as uri:
+        yield uri, certificate
+
+
+def _tracked_config(output, uri: str, experiment: str):
+    from hvd_train import config
+
+    run = {"output": str(output), "track": "mlflow", "track_uri": uri, "track_experiment": experiment}
+    return config.build({"data": {"train": "images"}, "run": run})
+
+
+# Each of the ways MLflow's own client is told to trust a server's certificate (or not to check it).
+TRUST = {
+    "MLFLOW_TRACKING_SERVER_CERT_PATH": lambda certificate: str(certificate),
+    "REQUESTS_CA_BUNDLE": lambda certificate: str(certificate),
+    "MLFLOW_TRACKING_INSECURE_TLS": lambda certificate: "true",
+}
+
+
+@pytest.mark.parametrize("variable", sorted(TRUST))
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # MLflow's client's, told so
+def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monkeypatch, variable):
+    from hvd_train.experiments.tracking import Tracker
+
+    uri, certificate = https_mlflow
+    for name in TRUST:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, TRUST[variable](certificate))
+    tracker = Tracker.start(_tracked_config(tmp_path, uri, variable), resumed=False)
+    tracker.log_epoch(1, {"val_accuracy": 0.5})
+    tracker.finish({"val_accuracy": 0.5})
+    _, runs = mlflow_runs_of(uri, variable)
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(tracker.run_id, "FINISHED")]
+    assert runs[0].data.metrics["final_val_accuracy"] == 0.5
+
+
+def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflow, tmp_path, monkeypatch):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments.tracking import Tracker
+
+    uri, _ = https_mlflow
+    for name in TRUST:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(
+        UserError, match=r"cannot log to MLflow at https://127\.0\.0\.1:\d+ \(.*CERTIFICATE_VERIFY"
+    ) as e:
+        Tracker.start(_tracked_config(tmp_path, uri, "untrusted"), resumed=False)
+    assert "trust the server's certificate" in str(e.value) and "\n" not in str(e.value), e.value
+
+
 def test_a_run_that_fails_in_training_ends_its_mlflow_run_failed(tmp_path, demo_small, mlflow_server):
     data = tmp_path / "data"
     shutil.copytree(demo_small, data)

@@ -108,10 +108,7 @@ class Tracker:
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters a call
                 self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
         except Exception as e:  # MLflow raises its own errors and requests' for a server that is not there
-            raise UserError(
-                f"cannot log to MLflow at {redact_url(self.uri)} ({first_line(e)}); start the tracking server, "
-                "or check --track-uri / MLFLOW_TRACKING_URI."
-            ) from None
+            raise UserError(f"cannot log to MLflow at {redact_url(self.uri)} ({first_line(e)}); {_fix(e)}.") from None
         run_file = {"tracking_uri": redact_url(self.uri), "run_id": self.run_id, "experiment": self.experiment}
         files.write_json(os.path.join(self.output, RUN_FILE), run_file)
         log.info("MLflow: run %s in experiment %s at %s", self.run_id, self.experiment, redact_url(self.uri))
@@ -183,13 +180,38 @@ def write_hparams(cfg, summary: dict[str, Any]) -> None:
         log.warning("could not write TensorBoard's hparams to %s: %s", folder, first_line(e))
 
 
+def _fix(error: Exception) -> str:
+    """What to do about ``error``, raised by the first calls to a tracking URI."""
+    if "CERTIFICATE_VERIFY_FAILED" in str(error):
+        return (
+            "trust the server's certificate as MLflow's client does: MLFLOW_TRACKING_SERVER_CERT_PATH or "
+            "REQUESTS_CA_BUNDLE (MLFLOW_TRACKING_INSECURE_TLS=true checks none)"
+        )
+    return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
+
+
 def _probe(uri: str, timeout: float = 10.0) -> None:
     """Asks a tracking server's ``/health`` once: MLflow's client would retry a server that is not
-    there for minutes before it fails."""
+    there for minutes before it fails.
+
+    The request is made as MLflow's client makes its own (``mlflow/utils/rest_utils.py``): with
+    ``requests``, which trusts ``REQUESTS_CA_BUNDLE``, and the certificates MLflow's variables
+    give (``MLFLOW_TRACKING_SERVER_CERT_PATH``, ``MLFLOW_TRACKING_CLIENT_CERT_PATH``), or none
+    checked (``MLFLOW_TRACKING_INSECURE_TLS``): a server MLflow reaches, the probe reaches.
+    """
     import urllib.parse
-    import urllib.request
 
     if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
         return
-    with urllib.request.urlopen(f"{redact_url(uri).rstrip('/')}/health", timeout=timeout):
-        pass
+    import requests
+    from mlflow import environment_variables as env
+
+    server_cert = env.MLFLOW_TRACKING_SERVER_CERT_PATH.get()
+    verify = server_cert if server_cert else not env.MLFLOW_TRACKING_INSECURE_TLS.get()
+    answer = requests.get(
+        f"{redact_url(uri).rstrip('/')}/health",
+        timeout=timeout,
+        verify=verify,
+        cert=env.MLFLOW_TRACKING_CLIENT_CERT_PATH.get(),
+    )
+    answer.raise_for_status()
