@@ -71,13 +71,13 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(args: list, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """Runs a command in its own process group; returns it with stdout and stderr as text.
+def run(args: list, timeout: float = 600, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Runs a command in its own process group (in ``cwd``, else here); returns it with stdout and stderr as text.
 
     On timeout the whole group (launcher and every rank) is killed and the
     test fails: a hung job must never outlive its test.
     """
-    proc = start(args, **env)
+    proc = start(args, cwd=cwd, **env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -97,7 +97,7 @@ def run_at_once(*commands: list, timeout: float = 600, **env: str) -> list[subpr
         return list(pool.map(lambda args: run(args, timeout=timeout, **env), commands))
 
 
-def start(args: list, **env: str) -> subprocess.Popen:
+def start(args: list, cwd: Path | None = None, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [str(a) for a in args],
         stdout=subprocess.PIPE,
@@ -106,6 +106,7 @@ def start(args: list, **env: str) -> subprocess.Popen:
         env=job_env(**env),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        cwd=cwd,
     )
 
 

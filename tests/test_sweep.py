@@ -376,16 +376,6 @@ def test_a_trial_runs_under_plain_mpirun_too_and_a_second_study_in_its_folder_ha
     assert proc.returncode == 0, output_of(proc)
     summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert summary["counts"]["complete"] == 1
-    first_pages = {name: (tmp_path / "out" / name).read_bytes() for name in ("sweep.json", "sweep.html", "best.yaml")}
-    # Another study in the same folder: its trials and pages in a folder of its own; the first's untouched.
-    (tmp_path / "second").mkdir()
-    other = sweep_file(tmp_path / "second", demo_small, epochs=1, search={"run.seed": [2]}, trials=1, pruner="none")
-    proc = run([*HVD_TRAIN, "sweep", other, "--output", tmp_path / "out", "--study", "other"], timeout=600)
-    assert proc.returncode == 0, output_of(proc)
-    assert "done already" not in (tmp_path / "out" / "other" / "trial-0000" / "trial.log").read_text()
-    second = json.loads((tmp_path / "out" / "other" / "sweep.json").read_text())
-    assert (second["study"], second["rows"][0]["params"]) == ("other", {"run.seed": 2}), second
-    assert {name: (tmp_path / "out" / name).read_bytes() for name in first_pages} == first_pages
     log = (tmp_path / "out" / "trial-0000" / "trial.log").read_text()
     assert re.match(r"\$ taskset -c [0-9,]+ mpirun -np 1 --bind-to none ", log) and "outputs in" in log, log[:3000]
     # Every objective a sweep file may name is a number of a trial's summary.json, and every one
@@ -396,6 +386,46 @@ def test_a_trial_runs_under_plain_mpirun_too_and_a_second_study_in_its_folder_ha
     assert all(isinstance(run_summary[name], int | float) for name in OBJECTIVES), run_summary
     columns = (tmp_path / "out" / "trial-0000" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert set(EPOCH_METRICS) <= set(OBJECTIVES) & set(columns), columns
+    first_pages = {name: (tmp_path / "out" / name).read_bytes() for name in ("sweep.json", "sweep.html", "best.yaml")}
+    # Another study in the same folder: its trials and pages in a folder of its own; the first's untouched.
+    # Its 2 trials start at once, tracked in MLflow's default store (mlflow.db in the working folder), new:
+    # made by the sweep before them, not by both at once.
+    (tmp_path / "second").mkdir()
+    other = sweep_file(
+        tmp_path / "second", demo_small, epochs=1, search={"run.seed": [2, 3]}, sampler="grid", trials=2, pruner="none"
+    )
+    spec = yaml.safe_load(other.read_text())
+    spec["train"]["run"]["track"] = "mlflow"
+    other.write_text(yaml.safe_dump(spec))
+    command = [*HVD_TRAIN, "sweep", other, "--output", tmp_path / "out", "--study", "other", "--parallel", "2"]
+    proc = run(command, timeout=600, cwd=tmp_path / "second")
+    assert proc.returncode == 0, output_of(proc)
+    second = json.loads((tmp_path / "out" / "other" / "sweep.json").read_text())
+    assert second["study"] == "other" and sorted(r["params"]["run.seed"] for r in second["rows"]) == [2, 3], second
+    for name in ("trial-0000", "trial-0001"):
+        assert "done already" not in (tmp_path / "out" / "other" / name / "trial.log").read_text()
+    assert {name: (tmp_path / "out" / name).read_bytes() for name in first_pages} == first_pages
+    _, runs = mlflow_runs_of(f"sqlite:///{tmp_path / 'second' / 'mlflow.db'}", "other")
+    assert sorted((r.info.run_name, r.info.status) for r in runs) == [
+        ("trial-0000", "FINISHED"),
+        ("trial-0001", "FINISHED"),
+    ]
+
+
+def test_a_sweep_whose_first_trials_fail_alike_stops_and_says_why(tmp_path):
+    path = sweep_file(tmp_path, tmp_path / "gone", epochs=1, search={"run.seed": [1, 2, 3, 4]}, trials=4, pruner="none")
+    proc = run([*HVD_TRAIN, "sweep", path, "--output", tmp_path / "out", "--parallel", "2"], timeout=600)
+    assert proc.returncode == 2, output_of(proc)
+    said = [line for line in proc.stderr.splitlines() if "failed alike" in line]
+    assert (
+        len(said) == 1
+        and f"error: the first 2 trials failed alike (exit 2: error: data folder {tmp_path / 'gone'} " in said[0]
+    ), output_of(proc)
+    assert "Traceback" not in proc.stderr, output_of(proc)
+    # Two failed, and no more started but the one already asked for beside the second (stopped, handed back).
+    summary = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert summary["counts"]["fail"] == 2 and summary["counts"]["complete"] == 0, summary
+    assert len(study_of(tmp_path / "out").get_trials()) <= 4
 
 
 # --- sweep processes sharing one study --------------------------------------------------------

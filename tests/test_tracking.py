@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 
+from hvd_train.errors import UserError
+
 from conftest import TINY, cli, free_port, output_of, png_with_a_corrupt_middle
 from mlflow_server import mlflow_runs_of
 
@@ -102,6 +104,49 @@ def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, 
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
 
 
+# --- MLflow's default store: a SQLite mlflow.db in the working folder --------------------------------
+
+
+@pytest.fixture
+def in_a_fresh_folder(tmp_path, monkeypatch):
+    """The working folder an empty one, and no MLFLOW_TRACKING_URI: MLflow's default store is its mlflow.db."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def test_a_sweeps_default_store_is_made_once_before_its_trials_which_then_log_to_it(in_a_fresh_folder):
+    from hvd_train.experiments import tracking
+
+    uri = tracking.tracking_uri()
+    assert uri == f"sqlite:///{in_a_fresh_folder / 'mlflow.db'}"
+    tracking.prepare(uri, "sweep")  # what a sweep does before its first trial
+    tracking.prepare(uri, "sweep")  # and again when it goes on
+    _, runs = mlflow_runs_of(uri, "sweep")
+    assert runs == []
+    # A trial: its run in the store and experiment made for it.
+    (in_a_fresh_folder / "trial-0000").mkdir()
+    tracker = tracking.Tracker.start(_tracked_config(in_a_fresh_folder / "trial-0000", "", "sweep"), resumed=False)
+    tracker.finish({"val_accuracy": 0.25})
+    _, runs = mlflow_runs_of(uri, "sweep")
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("trial-0000", "FINISHED")]
+
+
+def test_a_broken_default_store_is_refused_in_one_line_naming_it(in_a_fresh_folder):
+    from hvd_train.experiments import tracking
+
+    (in_a_fresh_folder / "mlflow.db").write_bytes(b"not a database, " * 100)
+    for attempt in (
+        lambda: tracking.prepare(tracking.tracking_uri(), "sweep"),
+        lambda: tracking.Tracker.start(_tracked_config(in_a_fresh_folder, "", "run"), resumed=False),
+    ):
+        with pytest.raises(UserError) as refused:
+            attempt()
+        message = str(refused.value)
+        assert message.startswith(f"cannot log to MLflow at sqlite:///{in_a_fresh_folder / 'mlflow.db'} ("), message
+        assert "check --track-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
+
+
 # --- a tracking server over HTTPS, its certificate self-signed -------------------------------------
 
 
@@ -148,7 +193,6 @@ def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monk
 
 
 def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflow, tmp_path, monkeypatch):
-    from hvd_train.errors import UserError
     from hvd_train.experiments.tracking import Tracker
 
     uri, _ = https_mlflow

@@ -10,6 +10,13 @@ kept ones is failed at once as surplus (``study.surplus``), so the count
 holds. A process whose trials are all taken waits while others run theirs,
 and takes up any that is handed back.
 
+A tracked sweep (``train.run.track: mlflow``) makes its tracking store and
+experiment ready before any trial (``tracking.prepare``): trials that
+start together would each make a new store's tables at once. A sweep
+whose first ``ALIKE_FAILURES`` trials all fail with the same cause (its
+data, its store, its environment: not a trial's options) stops there and
+says that cause, rather than start trial after trial that fails alike.
+
 A stop signal (SIGTERM, SIGINT, SIGUSR1) stops every running job as a
 scheduler would (each writes its checkpoint), hands its trial back, writes
 the pages and ends with 75. The same command then goes on: finished trials
@@ -35,6 +42,9 @@ from hvd_train.training.preemption import EXIT_PREEMPTED, STOP_SIGNALS
 
 log = get_logger("sweep")
 
+# A sweep whose first trials fail, this many of them with one cause, stops.
+ALIKE_FAILURES = 2
+
 
 class SweepRun:
     """Runs ``sweep`` with its files in ``folder`` (see the module docstring)."""
@@ -46,6 +56,9 @@ class SweepRun:
         self.lock = threading.Lock()
         self.errors: list[BaseException] = []
         self.watch = studies.Watch(sweep.heartbeat)
+        self.failures: list[str] = []  # the causes of this process's first trials, while all fail
+        self.ended_well = False  # a trial of this process completed or was pruned
+        self.halted = ""  # the cause its first trials all failed of
 
     def run(self) -> int:
         sweep = self.sweep
@@ -55,6 +68,7 @@ class SweepRun:
         self.storage = redact_url(studies.storage_url(sweep, self.folder))
         self.pages = studies.study_folder(self.study, self.folder)  # its trials' folders and its pages
         os.makedirs(self.pages, exist_ok=True)
+        self._prepare_tracking()
         log.info(
             "sweep %s: %d trials of %s, %d at once x %d worker(s) in %s; study in %s",
             self.study.study_name,
@@ -79,6 +93,12 @@ class SweepRun:
         summary = pages.write(sweep, self.study, self.pages, self.storage)
         if self.errors:
             raise self.errors[0]
+        if self.halted:
+            raise UserError(
+                f"the first {len(self.failures)} trials failed alike ({self.halted}); the sweep stops there: fix "
+                f"that, then run the same command (failed trials count among its {sweep.trials}; see their "
+                f"trial.log in {self.pages})."
+            )
         if summary["importances_tie"]:
             log.info("%s", pages.tie_note(sweep))
         counts, best = summary["counts"], summary["best"]
@@ -103,6 +123,16 @@ class SweepRun:
             *(os.path.join(self.pages, name) for name in (pages.BEST, pages.PAGE, pages.SUMMARY)),
         )
         return 0
+
+    def _prepare_tracking(self) -> None:
+        """A tracked sweep's store and experiment (the study's name, as its trials'), made once before any trial."""
+        run = self.sweep.train.get("run") or {}
+        if run.get("track") != "mlflow":
+            return
+        from hvd_train.experiments import tracking
+
+        uri = tracking.tracking_uri(str(run.get("track_uri") or ""))
+        tracking.prepare(uri, str(run.get("track_experiment") or self.study.study_name))
 
     def _stop(self, signum, frame) -> None:
         if not self.stopping.is_set():
@@ -209,7 +239,22 @@ class SweepRun:
         else:
             studies.tell(self.study, trial, state=op.trial.TrialState.FAIL)
             log.warning("trial %d failed: %s", trial.number, outcome.note)
+            self._halt_if_alike(trial, outcome.note)
+        self.ended_well |= outcome.state in ("complete", "pruned")
         pages.write(sweep, self.study, self.pages, self.storage)
+
+    def _halt_if_alike(self, trial, note: str) -> None:
+        """Stops the sweep when its first trials have all failed, ``ALIKE_FAILURES`` of them with one cause.
+
+        Causes are compared with each trial's own folder left out of them.
+        """
+        if self.ended_well or self.halted:
+            return
+        name = trial.user_attrs["folder"]
+        self.failures.append(note.replace(os.path.abspath(os.path.join(self.pages, name)), "").replace(name, ""))
+        if len(self.failures) >= ALIKE_FAILURES and len(set(self.failures)) == 1:
+            self.halted = note
+            self.stopping.set()
 
 
 def _short(value) -> str:

@@ -80,26 +80,22 @@ class Tracker:
         if run.track != "mlflow":
             return None
         mlflow = _mlflow()
-        uri = run.track_uri or mlflow.get_tracking_uri()
+        uri = tracking_uri(run.track_uri)
         experiment = run.track_experiment or "hvd_train"
         tracker = cls(run.output, uri, experiment, run.track_run or os.path.basename(os.path.abspath(run.output)))
         tracker._begin(mlflow, cfg, resumed)
         return tracker
 
     def _begin(self, mlflow, cfg, resumed: bool) -> None:
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=self.uri)
         kept = files.read_json(os.path.join(self.output, RUN_FILE), {})
         try:
-            _probe(self.uri)
+            self.client = _client(self.uri)
             if resumed and kept.get("run_id") and kept.get("tracking_uri") == redact_url(self.uri):
                 self.run_id = kept["run_id"]
                 self.client.update_run(self.run_id, status="RUNNING")
                 log.info("MLflow: going on with run %s in %s", self.run_id, redact_url(self.uri))
                 return
-            found = self.client.get_experiment_by_name(self.experiment)
-            experiment_id = found.experiment_id if found else self.client.create_experiment(self.experiment)
+            experiment_id = _experiment_id(self.client, self.experiment)
             created = self.client.create_run(
                 experiment_id, run_name=self.run_name, tags={"hvd_train.output": self.output}
             )
@@ -108,7 +104,7 @@ class Tracker:
             for i in range(0, len(items), 100):  # MLflow takes at most 100 parameters a call
                 self.client.log_batch(self.run_id, params=[mlflow.entities.Param(k, v) for k, v in items[i : i + 100]])
         except Exception as e:  # MLflow raises its own errors and requests' for a server that is not there
-            raise UserError(f"cannot log to MLflow at {redact_url(self.uri)} ({first_line(e)}); {_fix(e)}.") from None
+            raise _refused(self.uri, e) from None
         run_file = {"tracking_uri": redact_url(self.uri), "run_id": self.run_id, "experiment": self.experiment}
         files.write_json(os.path.join(self.output, RUN_FILE), run_file)
         log.info("MLflow: run %s in experiment %s at %s", self.run_id, self.experiment, redact_url(self.uri))
@@ -180,14 +176,73 @@ def write_hparams(cfg, summary: dict[str, Any]) -> None:
         log.warning("could not write TensorBoard's hparams to %s: %s", folder, first_line(e))
 
 
-def _fix(error: Exception) -> str:
+def tracking_uri(given: str = "") -> str:
+    """``given`` (``--track-uri``), else MLflow's: ``MLFLOW_TRACKING_URI``, else its default (a SQLite
+    ``mlflow.db`` in the working folder)."""
+    return given or _mlflow().get_tracking_uri()
+
+
+def prepare(uri: str, experiment: str) -> None:
+    """Makes the store at ``uri`` ready for runs, before any starts: its tables made (a database's, as
+    MLflow's default ``mlflow.db``) and ``experiment`` created.
+
+    A sweep calls it once before its trials: trials that started together on a new store would each
+    make its tables at once, and leave them half made.
+
+    Raises:
+        UserError: MLflow is not installed, or the store cannot be reached or made (one line, naming ``uri``).
+    """
+    try:
+        _experiment_id(_client(uri), experiment)
+    except Exception as e:
+        raise _refused(uri, e) from None
+
+
+def _client(uri: str):
+    """MLflow's client of ``uri``, its server asked first (``_probe``); a database store's tables are
+    made or migrated here (by MLflow, as the client is made)."""
+    _mlflow()
+    from mlflow.tracking import MlflowClient
+
+    _probe(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def _experiment_id(client, name: str) -> str:
+    """The id of experiment ``name``, created if it is not there (by another process meanwhile, too)."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _refused(uri: str, error: Exception) -> UserError:
+    return UserError(f"cannot log to MLflow at {redact_url(uri)} ({first_line(error)}); {_fix(uri, error)}.")
+
+
+def _fix(uri: str, error: Exception) -> str:
     """What to do about ``error``, raised by the first calls to a tracking URI."""
-    if "CERTIFICATE_VERIFY_FAILED" in str(error):
+    text = str(error)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
         return (
             "trust the server's certificate as MLflow's client does: MLFLOW_TRACKING_SERVER_CERT_PATH or "
             "REQUESTS_CA_BUNDLE (MLFLOW_TRACKING_INSECURE_TLS=true checks none)"
         )
-    return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
+    if "alembic" in text:  # MLflow's migrations of the store's tables, cut short
+        return (
+            "the store's tables were left half made (by processes that made them at once): move that "
+            "database aside, or give --track-uri another"
+        )
+    if uri.startswith(("http://", "https://")):
+        return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
+    return "check --track-uri / MLFLOW_TRACKING_URI"
 
 
 def _probe(uri: str, timeout: float = 10.0) -> None:

@@ -317,11 +317,12 @@ def _stop_with_parent(stop: int):
 
 
 def _last_error(folder: str) -> str:
-    """The last ``error:`` line of the trial's log (or its last line)."""
+    """The last ``error:`` line of the trial's log from ``error:`` on (no time, level nor rank that
+    would tell two trials' same error apart), or its last line."""
     try:
         with open(os.path.join(folder, LOG), encoding="utf-8", errors="replace") as f:
             lines = [line.strip() for line in f.readlines()[-200:] if line.strip()]
     except OSError:
         return "no log"
-    errors = [line for line in lines if "error:" in line]
-    return (errors or lines or ["no output"])[-1][-300:]
+    errors = [line[line.index("error:") :] for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[-1][:500]
