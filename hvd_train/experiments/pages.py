@@ -86,11 +86,11 @@ def write(sweep: Sweep, study, folder: str, storage: str) -> dict[str, Any]:
             )
             yaml.safe_dump(config, f, sort_keys=False)
     with files.replacing(os.path.join(folder, PAGE), "w") as f:
-        f.write(render(sweep, study, summary, folder))
+        f.write(render(sweep, summary, folder))
     return summary
 
 
-def render(sweep: Sweep, study, summary: dict[str, Any], folder: str) -> str:
+def render(sweep: Sweep, summary: dict[str, Any], folder: str) -> str:
     keys = list(sweep.search)
     ranked = sorted(
         summary["rows"],

@@ -192,16 +192,16 @@ def prepare(uri: str, experiment: str) -> None:
     Raises:
         UserError: MLflow is not installed, or the store cannot be reached or made (one line, naming ``uri``).
     """
+    _mlflow()
     try:
         _experiment_id(_client(uri), experiment)
-    except Exception as e:
+    except Exception as e:  # MLflow's errors, SQLAlchemy's (a database store), requests' (a server)
         raise _refused(uri, e) from None
 
 
 def _client(uri: str):
     """MLflow's client of ``uri``, its server asked first (``_probe``); a database store's tables are
     made or migrated here (by MLflow, as the client is made)."""
-    _mlflow()
     from mlflow.tracking import MlflowClient
 
     _probe(uri)
