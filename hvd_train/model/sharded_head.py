@@ -143,7 +143,10 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
 
     The cross-entropy comes from each shard's largest logit, sum of
     exponentials and label logit, as in training; the top ``k`` from each
-    shard's own top ``k`` (value and class), merged. A row whose label is
+    shard's own top ``k`` (value and class), merged: of equal logits the
+    lower class comes first, as ``evaluation.score_logits`` has it for the
+    whole head. A row whose logits are not all finite on some shard has no
+    best class (-1) and no hit. A row whose label is
     negative (a stand-in) gets a meaningless loss and no hit: the caller
     leaves it out. Every rank of the group must call this as often, with
     batches of any size (none at all included).
@@ -159,11 +162,12 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
             largest,
             tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1),
             tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0),
+            tf.cast(tf.reduce_all(tf.math.is_finite(logits), axis=1), logits.dtype),
         ],
         axis=1,
     )
     every = tf.reshape(
-        hvd.allgather(tf.cast(stats, tf.float64), process_set=group, name="head_scores.stats"), [parallel, -1, 3]
+        hvd.allgather(tf.cast(stats, tf.float64), process_set=group, name="head_scores.stats"), [parallel, -1, 4]
     )
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
@@ -187,5 +191,6 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     sizes = hvd.allgather(tf.reshape(batch, [1]), process_set=group, name="head_scores.sizes")
     own = tf.range(batch) + tf.reduce_sum(sizes[: groups.shard])
     labels = tf.cast(labels, tf.int32)
-    top_k = tf.reduce_any(tf.equal(tf.gather(merged, own), labels[:, None]), axis=1)
-    return tf.gather(loss, own), tf.gather(merged[:, 0], own), top_k
+    finite = tf.gather(tf.reduce_min(every[..., 3], axis=0) > 0, own)
+    top_k = tf.reduce_any(tf.equal(tf.gather(merged, own), labels[:, None]), axis=1) & finite
+    return tf.gather(loss, own), tf.where(finite, tf.gather(merged[:, 0], own), -1), top_k

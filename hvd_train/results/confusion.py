@@ -6,6 +6,11 @@ each, so ``Confusion`` keeps only ``(true class, predicted class, images)``
 for the cells that have any, and gives what the outputs need: the images
 and right answers of every class, each class's most frequent mistake, the
 most confused pairs, and the dense matrix where a picture can show it.
+
+An image whose scores were not all finite (a diverged model) has no
+predicted class: it is kept with the predicted class -1, counts among its
+class's images, is never right, and is in no cell of the dense matrix nor
+among the mistakes between classes (``unanswered`` counts it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ class Confusion:
 
     Args:
         classes: the number of classes.
-        true, predicted: one entry per image (or per cell, with ``counts``).
+        true, predicted: one entry per image (or per cell, with ``counts``); a predicted class of -1:
+            no answer (the image's scores were not finite).
         counts: images per entry (default 1 each).
     """
 
@@ -27,10 +33,12 @@ class Confusion:
         true = np.asarray(true, np.int64).ravel()
         predicted = np.asarray(predicted, np.int64).ravel()
         counts = np.ones(true.size, np.int64) if counts is None else np.asarray(counts, np.int64).ravel()
-        cells, where = np.unique(true * self.classes + predicted, return_inverse=True)
+        # One cell per (true, predicted) pair, -1 (no answer) among the predicted classes.
+        stride = self.classes + 1
+        cells, where = np.unique(true * stride + predicted + 1, return_inverse=True)
         summed = np.bincount(where, weights=counts, minlength=cells.size).astype(np.int64) if cells.size else counts
         kept = summed > 0
-        self.true, self.predicted = cells[kept] // self.classes, cells[kept] % self.classes
+        self.true, self.predicted = cells[kept] // stride, cells[kept] % stride - 1
         self.counts = summed[kept]
 
     @classmethod
@@ -71,15 +79,20 @@ class Confusion:
         hit = self.true == self.predicted
         return np.bincount(self.true[hit], weights=self.counts[hit], minlength=self.classes).astype(np.int64)
 
+    def unanswered(self) -> int:
+        """Images with no predicted class (scores not finite)."""
+        return int(self.counts[self.predicted < 0].sum())
+
     def dense(self) -> np.ndarray:
-        """The whole matrix (rows true, columns predicted): only for few classes."""
+        """The whole matrix (rows true, columns predicted; images with no answer left out): only for few classes."""
         matrix = np.zeros((self.classes, self.classes), np.int64)
-        matrix[self.true, self.predicted] = self.counts
+        answered = self.predicted >= 0
+        matrix[self.true[answered], self.predicted[answered]] = self.counts[answered]
         return matrix
 
     def mistakes(self, top: int | None = None) -> list[tuple[int, int, int]]:
         """Off-diagonal cells ``(true, predicted, images)``, most images first (then in class order)."""
-        off = self.true != self.predicted
+        off = (self.true != self.predicted) & (self.predicted >= 0)
         t, p, n = self.true[off], self.predicted[off], self.counts[off]
         order = np.lexsort((p, t, -n))[:top]
         return [(int(t[i]), int(p[i]), int(n[i])) for i in order]

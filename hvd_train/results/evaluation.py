@@ -7,6 +7,15 @@ all ranks, and one allgather joins the confusion's non-zero cells
 (``confusion.Confusion``: no classes x classes matrix, which would be 80 GB
 at 100,000 classes). There is no collective inside the loop, so ranks with
 one batch more than others do not wait for each other.
+
+Scores come from the head's logits, in float32, the same way in either
+layout of the head (``score_logits`` here, ``sharded_head.head_scores`` for
+the head split by class): the cross-entropy from the logits; the best class
+and the top k by ``top_k``, where of classes with equal logits the lower
+class comes first (probabilities would tie at 0 for every class a sure
+model rules out, and a tie would put every class in the top k); and an
+image whose logits are not all finite (a diverged model) is a miss, with no
+predicted class.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train.compat import tf
+from hvd_train.compat import keras, tf
 from hvd_train.distributed.context import Context
+from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.results.confusion import Confusion
 
 TOP_K = 5
@@ -67,14 +77,30 @@ class EvalResult:
         return [float(r / t) if t else None for r, t in zip(right, totals)]
 
 
+def score_logits(logits, labels, k: int):
+    """Per row: the cross-entropy, the best class (-1 where a logit is not finite) and whether the label is in
+    the top ``k`` (never where a logit is not finite); of equal logits, the lower class comes first."""
+    logits = tf.cast(logits, tf.float32)
+    labels = tf.cast(labels, tf.int32)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    finite = tf.reduce_all(tf.math.is_finite(logits), axis=1)
+    top = tf.math.top_k(logits, k).indices
+    best = tf.where(finite, top[:, 0], -1)
+    hits = tf.reduce_any(tf.equal(top, labels[:, None]), axis=1) & finite
+    return loss, best, hits
+
+
 def _make_step(model, k: int):
+    head = model.get_layer(HEAD_LAYER)
+    features = keras.Model(model.inputs, head.input)
+
     @tf.function(reduce_retracing=True, autograph=False)  # no control flow: nothing to convert
     def step(images, labels):
-        """Per image: the loss, the best class and whether the label is in the top ``k``."""
-        probs = tf.cast(model(images, training=False), tf.float32)
+        """Per image: the loss, the best class and whether the label is in the top ``k`` (``score_logits``)."""
+        rows = tf.cast(features(images, training=False), tf.float32)
+        logits = tf.matmul(rows, tf.cast(head.kernel, tf.float32)) + tf.cast(head.bias, tf.float32)
         labels = tf.maximum(tf.cast(labels, tf.int32), 0)  # a stand-in's (negative) label: not scored
-        loss = tf.keras.losses.sparse_categorical_crossentropy(labels, probs)
-        return loss, tf.argmax(probs, axis=1, output_type=tf.int32), tf.math.in_top_k(labels, probs, k)
+        return score_logits(logits, labels, k)
 
     return step
 
@@ -131,7 +157,7 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
     Every rank must call this (it ends in one allreduce).
 
     Args:
-        model: a Keras model whose outputs are class probabilities.
+        model: a Keras model whose head (``catalogue.HEAD_LAYER``) is a softmax Dense layer.
         dataset: this rank's ``(images, labels)`` batches.
         num_classes: number of classes.
         ctx: the job.
