@@ -59,6 +59,11 @@ def exact(results: dict, rank: int) -> None:
         assert r["head_gradient_nonzero"] > 1e-3 and r["moved"] > 1e-3, (rank, key)  # something was compared
         # Held-out scores over all classes: the loss, the best class and the top 5, merged from the shards.
         assert r["score_loss"] <= 1e-5 and r["top1"][0] == r["top1"][1] and r["top5"][0] == r["top5"][1], (rank, key)
+        # A diverged model's rows (no finite logits) are misses with no class, and of tied logits the lower
+        # classes win, in both layouts.
+        for name, top1, top5 in (("odd", [-1, -1], [False, False]), ("tied", [-1, -1, 0, 0], [False, False, True, False])):
+            assert r[f"{name}_top1"][0] == r[f"{name}_top1"][1] and r[f"{name}_top5"][0] == r[f"{name}_top5"][1], r
+            assert r[f"{name}_top1"][0][: len(top1)] == top1 and r[f"{name}_top5"][0][: len(top5)] == top5, r
         # The head written whole from the shards reads back exactly, and in another layout's shards.
         assert r["read_back"] == 0 and r["resplit"] <= 1e-5, (rank, key)
 

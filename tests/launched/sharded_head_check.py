@@ -30,6 +30,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average  # noqa: E402
+from hvd_train.results.evaluation import score_logits  # noqa: E402
 from hvd_train.training import head_files  # noqa: E402
 
 head_files.CHUNK_BYTES = 2 * 6 * 4  # two columns of the 6-feature kernel a round: the gather takes several
@@ -75,9 +76,11 @@ def check(groups, smoothing):
 
     @tf.function
     def data_parallel_scores(A, W, b, x, y):
-        logits = tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b
-        loss = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-        return loss, tf.argmax(logits, axis=1, output_type=tf.int32), tf.math.in_top_k(y, logits, 5)
+        return score_logits(tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b, y, 5)  # what evaluate scores with
+
+    @tf.function
+    def scores_of_features(features, kernel, bias, y):
+        return head_scores(features, y, kernel, bias, first=first, groups=groups, k=5)
 
     @tf.function
     def data_parallel(A, W, b, x, y, w):
@@ -126,6 +129,18 @@ def check(groups, smoothing):
     result["score_loss"] = relative(loss_s, loss_d)
     result["top1"] = [top1_s.numpy().tolist(), top1_d.numpy().tolist()]
     result["top5"] = [top5_s.numpy().tolist(), top5_d.numpy().tolist()]
+    # Rows of a diverged model (a feature inf or nan: no finite logits) and rows whose logits all tie (a head of
+    # zeros: of equal logits the lower classes are the top 5), scored alike by both ways.
+    odd = np.random.default_rng(7).normal(size=(4, FEATURES)).astype("float32")
+    odd[0, 0], odd[1, 2] = np.inf, np.nan
+    odd_labels = tf.constant([0, 3, 4, 7], tf.int32)
+    for name, (W_odd, b_odd) in {"odd": (W0, b0), "tied": (0 * W0, 0 * b0)}.items():
+        (_, top1_s, top5_s), (_, top1_d, top5_d) = (
+            scores_of_features(odd, W_odd[:, first : first + count], b_odd[first : first + count], odd_labels),
+            score_logits(tf.matmul(odd, W_odd) + b_odd, odd_labels, 5),
+        )
+        result[f"{name}_top1"] = [top1_s.numpy().tolist(), top1_d.numpy().tolist()]
+        result[f"{name}_top5"] = [top5_s.numpy().tolist(), top5_d.numpy().tolist()]
 
     A_s, A_d = tf.Variable(A0), tf.Variable(A0)
     for step in range(1, 4):
