@@ -105,11 +105,18 @@ class ShardedNet(Net):
         # Horovod's DistributedOptimizer, as the data-parallel step: the gradients averaged over every rank
         # (--fp16-allreduce compressed; --grad-accum: added up locally, averaged at each update); under a
         # loss scale, the sum scaled (in float32), then the gradients unscaled.
-        grads_and_vars = optimizer.compute_gradients(handed, variables, tape=tape)
         applies = tf.constant(True)
-        if is_loss_scaled(optimizer):  # a step the scale skips (every rank alike) skips the head too
-            applies = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads_and_vars if g is not None])
-        optimizer.apply_gradients(grads_and_vars)
+        if variables:
+            grads_and_vars = optimizer.compute_gradients(handed, variables, tape=tape)
+            if is_loss_scaled(optimizer):  # a step the scale skips (every rank alike) skips the head too
+                finite = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads_and_vars if g is not None]
+                applies = tf.reduce_all(finite)
+            optimizer.apply_gradients(grads_and_vars)
+        else:
+            # --freeze-backbone with no head norm: nothing before the head trains. The backbone's
+            # optimizer still counts the passes, as Horovod's counts them (the step of the schedule,
+            # dropout's keys, the head's Adam correction).
+            optimizer.iterations.assign_add(1)
         head = [step.d_kernel * self._head_lr_mult, step.d_bias * self._head_lr_mult]
         if self._sums:  # --grad-accum: the head's passes added up, applied with the backbone's update
             for total, grad in zip(self._sums, head):
