@@ -17,3 +17,14 @@ class UserError(Exception):
     def __init__(self, message: str, agreed: bool = False):
         super().__init__(message)
         self.agreed = agreed
+
+
+class Diverged(UserError):
+    """Training diverged: the loss turned non-finite on some rank (``training.divergence``).
+
+    Every rank raises it after the same step, with no checkpoint of the
+    non-finite weights written; the command exits with status 3, which a
+    sweep's trial, a job script or a scheduler can tell from other failures.
+    """
+
+    exit_code = 3

@@ -79,6 +79,8 @@ def test_an_inf_on_one_rank_lowers_the_loss_scale_and_every_rank_skips_that_step
     assert skipped["iterations"] == first["iterations"] + 1
     assert skipped["loss_scale"] == first["loss_scale"] / 2
     assert after["changed"] and after["loss_scale"] == skipped["loss_scale"]
+    # The skipped step's loss was nan on rank 1: under a loss scale that is no divergence (``divergence``).
+    assert all(s["diverged"] == 0 for s in ranks[0])
 
 
 @pytest.mark.multiprocess

@@ -109,6 +109,15 @@ out["no_warmup"] = [[no_warmup(e) for e in epochs],
                     [float(rate("cosine", no_warmup.parameters(), tf.constant(e, tf.float64))) for e in epochs]]
 print(json.dumps(out))
 
+# A batch with an inf pixel in float32 (no loss scale: its update writes nan into the weights), between two
+# good ones: the call after it reports the loss; the weights are not finite.
+bad = x.copy()
+bad[0, 0] = np.inf
+net = net_of(per_call=1)
+batches = iter(tf.data.Dataset.from_tensor_slices(([x, bad, x], [y] * 3, [np.arange(4, dtype=np.int64)] * 3)))
+reports = [net.run_steps(batches, 1, (False, False, 0.0), (0, 0, 4, 4, 4), CONSTANT)[1].numpy()[3] for _ in range(3)]
+print(json.dumps({"reports": [float(r) for r in reports], "finite": net.finite(), "fresh": net_of().finite()}))
+
 # One collective that Horovod runs here, so the timeline shows it records them.
 import horovod.tensorflow as hvd
 tf.function(lambda: hvd.allreduce(tf.constant(1.0), name="timeline_control"))()  # eager ops go unnamed
@@ -122,11 +131,11 @@ hvd.shutdown()
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """The script's three results, then Horovod's timeline of the process."""
+    """The script's four results, then Horovod's timeline of the process."""
     timeline = tmp_path_factory.mktemp("timeline") / "timeline.json"
     proc = run([sys.executable, "-c", _STEPS], timeout=300, HOROVOD_TIMELINE=str(timeline))
     assert proc.returncode == 0, output_of(proc)
-    lines = proc.stdout.splitlines()[-3:]
+    lines = proc.stdout.splitlines()[-4:]
     return [json.loads(line) for line in lines] + [timeline.read_text()]
 
 
@@ -158,15 +167,16 @@ def test_how_the_steps_are_cut_into_calls_changes_nothing(cases):
 def test_stand_ins_are_kept_on_the_device_until_taken(cases):
     for name, run_ in cases[1].items():
         assert run_["met"] == [5, 17], name
-    # The report: the flags summed over the ranks (one here), then the call's start and end.
-    stop, timed, seconds, started, ended = cases[1]["all_at_once"]["report"]
-    assert (stop, timed, seconds) == (0, 0, 0.5) and ended > started > 0
+    # The report: the flags summed over the ranks (one here), the ranks whose loss is not finite (none), then
+    # the call's start and end.
+    stop, timed, seconds, diverged, started, ended = cases[1]["all_at_once"]["report"]
+    assert (stop, timed, seconds, diverged) == (0, 0, 0.5, 0) and ended > started > 0
 
 
 def test_one_process_agrees_with_itself_without_a_collective_per_call(cases):
     """The flags summed over one rank are the flags (the report above): no round trip through Horovod's
     background thread for each call, which was each step's at --steps-per-call 1."""
-    timeline = cases[3]
+    timeline = cases[4]
     assert "timeline_control" in timeline  # the timeline records what Horovod runs
     assert "boundary_flags" not in timeline
 
@@ -175,3 +185,11 @@ def test_the_compiled_schedule_is_the_python_schedule(cases):
     for decay, (python, compiled) in cases[2].items():
         np.testing.assert_allclose(compiled, python, rtol=1e-12, atol=1e-15, err_msg=decay)
         assert len(set(np.round(python, 9))) > 3, decay  # it moves
+
+
+def test_a_loss_that_is_not_finite_is_reported_by_the_call_after_it(cases):
+    """The call's report sums the ranks whose loss of the epoch is not finite before its steps: the step with
+    an inf pixel makes the loss nan in the second call, the third reports it (``divergence``). The weights
+    its update wrote are not finite, which the checkpoints' check reads; a fresh net's are."""
+    found = cases[3]
+    assert found["reports"] == [0.0, 0.0, 1.0] and found["finite"] is False and found["fresh"] is True

@@ -51,6 +51,10 @@ from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_o
 from hvd_train.model.mixing import Mixer, training_loss
 from hvd_train.training.schedules import graph_rate
 
+# The sums a call of the steps reports (``Net.run_steps``): asked to stop, a timed checkpoint due,
+# seconds per step, and ranks whose loss is not finite.
+REPORT_FLAGS = 4
+
 
 class Classifier(keras.Model):
     """A functional model whose train step can scale the new head's gradients.
@@ -260,8 +264,9 @@ class Net:
 
         Returns:
             The epoch's metrics so far, and a float64 report: the flags
-            summed over all ranks, then (with ``timestamps``) the call's start
-            and end in seconds.
+            summed over all ranks, then the ranks whose loss of the epoch was
+            not finite before these steps (``REPORT_FLAGS`` numbers in all),
+            then (with ``timestamps``) the call's start and end in seconds.
         """
         if steps > 1 and not self._looped:
             raise ValueError(f"{steps} steps in one call of a Net made for --steps-per-call 1")
@@ -275,9 +280,15 @@ class Net:
 
     def _run_steps(self, iterator, steps, flags, progress, rates):
         started = tf.timestamp() if self.timestamps else None
+        # Whether this rank's loss of the epoch turned non-finite before these steps (a sum over
+        # steps: one nan or inf stays): with the flags, every rank learns of it one call later. Under a
+        # loss scale a step whose loss is not finite is skipped, the weights as they were: no divergence.
+        diverged = tf.constant(0.0)
+        if not is_loss_scaled(self.optimizer):
+            diverged = tf.cast(tf.logical_not(tf.math.is_finite(self._loss_metric().result())), tf.float32)
         # Horovod: the agreement needs nothing the steps compute, so it is negotiated
         # while they run; every rank gets the same sums.
-        agreed = context.allreduce_sum_op(flags, name="boundary_flags")
+        agreed = context.allreduce_sum_op(tf.concat([flags, [diverged]], 0), name="boundary_flags")
         seen, first, per_step, pending, total = tf.unstack(progress)
 
         def one_step(i):
@@ -408,6 +419,20 @@ class Net:
             self.model.compute_loss(zeros, targets, probs)
             self.model.compute_metrics(zeros, tf.zeros((1,), tf.int32), probs, None)
             self.model.reset_metrics()
+
+    def _loss_metric(self):
+        return next(m for m in self.model.metrics if m.name == "loss")
+
+    def finite(self) -> bool:
+        """Whether this rank's weights, BatchNorm statistics and optimizer values are all finite (read from the
+        device); the epoch's loss aside: under a loss scale, a step with a non-finite loss changes nothing."""
+        values = [v for v in self.variables if v.dtype.is_floating] + self._statistic_averages
+        return bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+    def loss_diverged(self, loss) -> bool:
+        """Whether the epoch's ``loss`` (averaged over ranks) says the run diverged: not finite, where each
+        step applies its update (under a loss scale a step with a non-finite loss is skipped)."""
+        return not is_loss_scaled(self.optimizer) and not np.isfinite(loss)
 
     def metric_results(self) -> dict[str, float]:
         """The epoch's running metrics of this rank (loss, accuracy)."""

@@ -140,6 +140,11 @@ class ShardedNet(Net):
         correct = tf.cast(tf.equal(step.predicted, tf.cast(labels, tf.int32)), tf.float32)
         keras.metrics.Mean.update_state(metrics["accuracy"], correct, sample_weight=weights)
 
+    def finite(self) -> bool:
+        """``Net.finite``, and this rank's shard of the head with its optimizer's values."""
+        head = [tf.reduce_all(tf.math.is_finite(v)) for v in self.head_arrays().values()]
+        return super().finite() and bool(tf.reduce_all(head))
+
     # --- the head in checkpoints and the saved model -------------------------
 
     def head_arrays(self) -> dict[str, tf.Variable]:

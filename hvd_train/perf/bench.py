@@ -169,7 +169,7 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     from hvd_train.distributed import gradients
     from hvd_train.model import compute
     from hvd_train.model.catalogue import build_model
-    from hvd_train.model.network import Net, use_step_seeded_dropout
+    from hvd_train.model.network import REPORT_FLAGS, Net, use_step_seeded_dropout
     from hvd_train.training import schedules
 
     numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
@@ -214,7 +214,7 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
 
     label = f"{cfg.mode} {cfg.model} {cfg.image_size}px batch {cfg.batch_size} {numerics}"
     out = _timed(cfg, ctx, label, run_steps, reports.clear)
-    times = [r.numpy()[3:5] for r in reports]  # each timed call's start and end
+    times = [r.numpy()[REPORT_FLAGS : REPORT_FLAGS + 2] for r in reports]  # each timed call's start and end
     busy = sum(end - start for start, end in times)
     out.host_share = 1.0 - busy / (times[-1][1] - times[0][0]) if len(times) > 1 else 0.0
     return out

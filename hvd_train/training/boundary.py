@@ -2,8 +2,9 @@
 
 Every call of the compiled steps also sums, over ranks, flags each rank
 gives it: whether it was asked to stop (a signal), whether rank 0's clock
-says a checkpoint is due, and how long its previous call took per step (see
-``network.Net.run_steps``). Horovod negotiates the sum while the steps run,
+says a checkpoint is due, how long its previous call took per step, and
+whether its loss has turned non-finite (see ``network.Net.run_steps`` and
+``divergence``). Horovod negotiates the sum while the steps run,
 so it costs next to nothing, and the loop reads it one call late, when the
 next call has run (where steps are long the ranks also agree at once).
 Calls end at optimizer-update boundaries, and after each all ranks act on
@@ -21,7 +22,7 @@ from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import stage_head
-from hvd_train.training import checkpoints, remote
+from hvd_train.training import checkpoints, divergence, remote
 from hvd_train.training.job import History, Job
 from hvd_train.training.preemption import Preempted, StopRequests
 from hvd_train.training.state import TrainState
@@ -79,10 +80,10 @@ class Boundary:
             return 0
         return max(1, self.cfg.horovod.commit_every - self._since_commit) * self.state.accum
 
-    def after_update(self, stop: float, timed: float, step_seconds: float, updates: int = 1) -> None:
+    def after_update(self, stop: float, timed: float, step_seconds: float, diverged: float, updates: int = 1) -> None:
         """Acts on what every rank agreed: stop, checkpoint, commit after this same step.
 
-        The first three arguments are the sums over ranks of what each rank
+        The first four arguments are the sums over ranks of what each rank
         gave a call of the steps (see ``Net.run_steps``), the call before the
         one just run; every rank got the same sums. A signal that arrived
         during a call shows in the next one, and is read when the one after
@@ -95,8 +96,11 @@ class Boundary:
             updates: optimizer updates run since the last call (the elastic commit's cadence).
 
         Raises:
+            Diverged: on every rank, when a rank's loss turned non-finite (no checkpoint written).
             Preempted: on every rank, after the stop's checkpoint.
         """
+        if diverged > 0:
+            raise self.diverged(f"the loss of {int(diverged)} of {self.ctx.size} rank(s)")
         if stop == 0 and step_seconds / self.ctx.size > SLOW_STEP:
             # Horovod: every rank takes this branch, from the same sums.
             stop, timed = self.ctx.allreduce_sum(
@@ -125,6 +129,13 @@ class Boundary:
         """Moves the undecodable training images the steps met into ``history`` (read from the device)."""
         self.history.undecodable.update(self.net.take_stand_ins())
 
+    def diverged(self, what: str) -> Exception:
+        """The error that ends a diverged run (``divergence``), naming the last finite checkpoint."""
+        newest = checkpoints.candidates(self.cfg.run.output)[:1] if self.ctx.is_root else []
+        where = remote.location(self.cfg.run.output, newest[0]) if newest else None
+        lr = float(self.net.optimizer.learning_rate.numpy())
+        return divergence.error(self.cfg, self.state, lr, what, where)
+
     def _stop(self) -> None:
         state = self.state
         by = f"{self.stop.name}" if self.stop.requested else "a signal to another rank"
@@ -151,10 +162,15 @@ class Boundary:
         self.collect_stand_ins()
         # Horovod: the values that differ between ranks go into the checkpoint too, with the
         # training images each rank met undecodable and has not reported yet (at the epoch's end).
+        # A checkpoint of non-finite weights would be the resume point: the run ends with its last finite one.
         gathered = ctx.allgather_object(
-            (self.net.read_local().astype(np.float32), sorted(self.history.undecodable)), name="local_values"
+            (self.net.read_local().astype(np.float32), sorted(self.history.undecodable), self.net.finite()),
+            name="local_values",
         )
-        rows = [row for row, _ in gathered]
+        broken = sum(1 for _, _, finite in gathered if not finite)
+        if broken:
+            raise self.diverged(f"the weights, statistics or optimizer values of {broken} of {ctx.size} rank(s)")
+        rows = [row for row, _, _ in gathered]
         local = np.stack(rows) if ctx.size <= MAX_LOCAL_ROWS else np.mean(rows, axis=0, keepdims=True)
         info = {
             "model": self.job.spec.name,
@@ -167,7 +183,7 @@ class Boundary:
             "ema": self.cfg.optim.ema,
             # What summary.json lists as skipped, so that a resumed run lists it too.
             "skipped": [[path, why, when] for path, (why, when) in self.history.skipped.items()],
-            "undecodable": sorted({i for _, ids in gathered for i in ids}),
+            "undecodable": sorted({i for _, ids, _ in gathered for i in ids}),
         }
 
         # --head-parallel: the head, whole, gathered by rank 0 from the first group before it writes.

@@ -69,6 +69,7 @@ def close_epoch(
     seconds: float,
     waited,
     held_out: HeldOut,
+    diverged,
 ) -> dict:
     """The logs of ``epoch``, the same on every rank; kept in ``history.epochs``.
 
@@ -77,8 +78,14 @@ def close_epoch(
         steps, seconds: the steps this process ran in the epoch and their time (0 when none).
         waited: seconds this rank's input waited on storage in the epoch, or None without a storage reader.
         held_out: the held-out input, kept from epoch to epoch.
+        diverged: makes the error of a diverged run (``Boundary.diverged``).
+
+    Raises:
+        Diverged: on every rank, when the epoch's loss is not finite.
     """
     logs = _averaged_metrics(net, ctx)
+    if net.loss_diverged(logs["loss"]):  # the same average on every rank: all stop here
+        raise diverged(f"the epoch's loss ({logs['loss']}, averaged over {ctx.size} rank(s))")
     _report_undecodable(job, ctx, history, epoch)
     logs["lr"] = float(net.optimizer.learning_rate.numpy())
     images = steps * batch_size * ctx.size

@@ -28,7 +28,7 @@ from hvd_train.data.streams import input_errors
 from hvd_train.distributed import start
 from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
-from hvd_train.model.network import Net
+from hvd_train.model.network import REPORT_FLAGS, Net
 from hvd_train.training import early_stop, epoch_end, schedules
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary
@@ -203,9 +203,9 @@ class Loop:
             if first_call:
                 # The first call's agreement at once, the one wait of the segment: a stop that came
                 # while the rank started (or the epoch ended) comes after the first call.
-                values, first_call = report.numpy()[:3], False
+                values, first_call = report.numpy()[:REPORT_FLAGS], False
             else:
-                values, agreed = (agreed.numpy()[:3] if agreed is not None else (0, 0, 0)), report
+                values, agreed = (agreed.numpy()[:REPORT_FLAGS] if agreed is not None else (0,) * REPORT_FLAGS), report
             # The steps' time, waiting for a report included, not what the ranks do after them.
             last = (time.perf_counter() - started) / steps
             seconds += last * steps
@@ -213,7 +213,7 @@ class Loop:
             if reporters:
                 reporters.progress.step(state.segment_steps, logs)
         if agreed is not None:  # the last call's agreement, at the segment's end
-            boundary.after_update(*agreed.numpy()[:3], updates=0)
+            boundary.after_update(*agreed.numpy()[:REPORT_FLAGS], updates=0)
         return segment.steps - first, seconds
 
     def _steps_of_call(self, segment: Segment) -> int:
@@ -262,7 +262,17 @@ class Loop:
         self.boundary.collect_stand_ins()
         waited = self._waited() - self._wait_before if self.reader is not None else None
         logs = epoch_end.close_epoch(
-            self.job, self.ctx, net, epoch, state.batch_size, self.history, steps, seconds, waited, self.held_out
+            self.job,
+            self.ctx,
+            net,
+            epoch,
+            state.batch_size,
+            self.history,
+            steps,
+            seconds,
+            waited,
+            self.held_out,
+            self.boundary.diverged,
         )
         if self.reporters and steps:
             self.reporters.progress.end(steps, logs)

@@ -65,9 +65,11 @@ RATES = WarmupSchedule(0.01, 0.01, 0, 1).parameters()  # SGD's default rate, con
 def run(step):
     iterator = iter(tf.data.Dataset.from_tensors(batch(step)))
     before = digest()
-    net.run_steps(iterator, 1, (False, False, 0.0), (0, 0, 4, 4, 4), RATES)
+    _, report = net.run_steps(iterator, 1, (False, False, 0.0), (0, 0, 4, 4, 4), RATES)
     return {
         "step": step,
+        # Ranks whose loss of the epoch was not finite before this step: none, under a loss scale.
+        "diverged": float(report.numpy()[3]),
         "loss_scale": float(net.optimizer.loss_scale.numpy()),
         "changed": digest() != before,
         "digest": digest(),
