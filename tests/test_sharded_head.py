@@ -326,3 +326,42 @@ def test_a_split_run_resumed_from_a_mid_epoch_checkpoint_ends_with_the_same_mode
     assert len(resumed) == len(straight)
     for mine, theirs in zip(resumed, straight):
         np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("first, then", [("split", "whole"), ("whole", "split")])
+def test_early_stop_saves_the_best_epoch_of_the_other_layout(demo_small, tmp_path, first, then):
+    """Epoch 1 trained with the head in one layout, then epochs on in the other under --early-stop: the best epoch's
+    checkpoint is of the first layout and is read as a resume reads it, into the model the run saves.
+
+    Five classes: top-5 is always 1.0, so epoch 2 is no better than epoch 1, and patience 1 ends the run after it."""
+    import numpy as np
+
+    from hvd_train.compat import keras, tf
+
+    out = tmp_path / "run"
+    train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-split", "0.2", "--output", out, *TINY]
+    train += ["--early-stop", "1", "--early-stop-metric", "val_top5"]
+
+    def job(layout, *more):
+        if layout == "split":
+            return launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2", *more])
+        return cli([*train[3:], *more])
+
+    proc = job(first)
+    assert proc.returncode == 0, output_of(proc)
+    best = out / "checkpoints" / "epoch-0001"
+    if first == "split":
+        kernel = np.load(best / "head.kernel.npy")
+    else:
+        reader = tf.train.load_checkpoint(str(best / "ckpt"))
+        [name] = [n for n, shape in tf.train.list_variables(str(best / "ckpt")) if shape == [32, 5] and "model/" in n]
+        kernel = reader.get_tensor(name)
+    proc = job(then, "--epochs", "3")
+    assert proc.returncode == 0, output_of(proc)
+    assert "training ends after epoch 2 of 3 (best: epoch 1" in proc.stderr, output_of(proc)
+    summary = read_json(out / "summary.json")
+    assert summary["early_stop"]["saved_epoch"] == 1 and summary["early_stop"]["epochs_trained"] == 2
+    saved = keras.models.load_model(out / "model.keras", compile=False).get_layer("predictions").kernel.numpy()
+    np.testing.assert_array_equal(saved, kernel)
+    assert not list((out / "checkpoints").glob(".head-*")), "the staging folders are gone"

@@ -20,7 +20,8 @@ from hvd_train.distributed import gradients
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import checkpoints
+from hvd_train.training import checkpoints, split_head
+from hvd_train.training.job import Job
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
@@ -61,17 +62,25 @@ def exhausted(run: RunConfig, state: TrainState) -> bool:
     return bool(run.early_stop) and state.best_epoch >= 0 and state.epoch - 1 - state.best_epoch >= run.early_stop
 
 
-def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> int | None:
+def restore_best(job: Job, ctx: Context, net: Net, state: TrainState) -> int | None:
     """Loads the best epoch's weights on every rank when a later epoch ended the run.
+
+    The best epoch's checkpoint may be of the other layout of the head (a run
+    resumed with or without ``--head-parallel`` since): it is read as a resume
+    reads it (``split_head.restore_any_layout``).
 
     Returns:
         The epoch (1-based) whose weights the net holds now, or None when
         they are the last epoch's already (or there is no best).
+
+    Raises:
+        UserError: on every rank, when the best epoch's checkpoint does not fit this model.
     """
+    run = job.cfg.run
     if not run.early_stop or state.best_epoch < 0 or state.best_epoch == state.epoch - 1:
         return None
 
-    def load() -> tuple[int, object, str] | None:
+    def load() -> tuple[int, object, str, str] | None:
         found = checkpoints.of_epoch_end(run.output, state.best_epoch + 1)
         if found is None:
             log.warning(
@@ -81,7 +90,7 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
                 checkpoints.folder(run.output),
             )
             return None
-        local = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        local, head = split_head.restore_any_layout(job, net, found)
         log.info(
             "early stop: the model of epoch %d (%s %.4f) is the one saved, from %s",
             state.best_epoch + 1,
@@ -91,14 +100,14 @@ def restore_best(run: RunConfig, ctx: Context, net: Net, state: TrainState) -> i
         )
         # The values of each rank, equal at an epoch's end (the statistics and their averages
         # are averaged over the ranks then): the first rank's row.
-        return state.best_epoch + 1, local[0], found.path
+        return state.best_epoch + 1, local[0], head, found.path
 
     loaded = ctx.on_root(load, name="best_epoch")
     if loaded is None:
         return None
+    epoch, row, head, path = loaded
     # Horovod: every rank takes rank 0's weights of the best epoch, and its statistics.
     gradients.broadcast_variables(net.variables, ctx)
-    net.write_local(loaded[1])
-    if hasattr(net, "restore_head"):  # --head-parallel: each rank's classes of the best epoch's head
-        net.restore_head(loaded[2], ctx.is_root)
-    return loaded[0]
+    net.write_local(row)
+    split_head.take_head(net, ctx, head, path)  # --head-parallel: each rank's classes of the best epoch's head
+    return epoch

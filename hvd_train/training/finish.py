@@ -75,7 +75,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     """Final evaluation, identical-weights check, ``model.keras`` and ``summary.json``."""
     cfg = job.cfg
     final = history.last_eval
-    best = early_stop.restore_best(cfg.run, ctx, net, state)
+    best = early_stop.restore_best(job, ctx, net, state)
     if best is not None:
         final = None  # the best epoch's weights, scored again
     # --ema: the averaged weights are the model from here on (the checkpoints keep both).

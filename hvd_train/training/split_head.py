@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 
 from hvd_train.compat import tf
 from hvd_train.config import TrainConfig
@@ -35,6 +36,51 @@ def unsplit_head(job: Job, found: checkpoints.Found) -> str:
             "--output, or --no-resume to start over."
         ) from None
     return folder
+
+
+def restore_any_layout(job: Job, net, found: checkpoints.Found):
+    """Rank 0 restores ``found``, of a run with its head split or not, into ``net``, of either layout.
+
+    Returns:
+        The checkpoint's rows of local values, and the folder of the head's files that ``take_head``
+        splits over the ranks of a ``ShardedNet`` (``found.path``, or a staging folder for the head of an
+        unsplit run's checkpoint).
+
+    Raises:
+        UserError: the checkpoint does not fit this model.
+    """
+    from hvd_train.model.catalogue import HEAD_LAYER
+    from hvd_train.model.sharded_net import ShardedNet, features_view, head_arrays
+
+    head = found.path
+    if isinstance(net, ShardedNet):
+        if not head_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
+            head = unsplit_head(job, found)
+        head_files.check(head, net.head_arrays(), net.classes)
+        rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+    elif head_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
+        layer = net.model.get_layer(HEAD_LAYER)
+        arrays = head_arrays(layer.kernel, layer.bias, net.optimizer)
+        classes = len(job.classes)
+        head_files.check(found.path, arrays, classes)
+        rows = checkpoints.restore(found, features_view(net.model), net.optimizer, partial=True)["rows"]
+        for name, variable in arrays.items():
+            variable.assign(head_files.read_columns(found.path, name, 0, classes, classes))
+    else:
+        rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+    return rows, head
+
+
+def take_head(net, ctx: Context, head: str | None, path: str | None) -> None:
+    """A ``ShardedNet``'s ranks each take their classes of the head in ``head`` (rank 0's, from
+    ``restore_any_layout`` of checkpoint ``path``); a staging folder is removed after. Nothing otherwise."""
+    from hvd_train.model.sharded_net import ShardedNet
+
+    if not isinstance(net, ShardedNet):
+        return
+    net.restore_head(head, ctx.is_root)
+    if ctx.is_root and head != path:
+        shutil.rmtree(head, ignore_errors=True)
 
 
 def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | None:

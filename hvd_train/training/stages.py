@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import tempfile
 import time
 
@@ -34,11 +33,11 @@ from hvd_train.model import compute
 from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve_bn
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
-from hvd_train.model.sharded_net import ShardedNet, features_view, head_arrays
-from hvd_train.training import checkpoints, head_files, lr_find, remote
+from hvd_train.model.sharded_net import ShardedNet
+from hvd_train.training import checkpoints, lr_find, remote
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
-from hvd_train.training.split_head import head_groups, unsplit_head
+from hvd_train.training.split_head import head_groups, restore_any_layout, take_head
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
@@ -221,21 +220,7 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
             return None
         _check_same_recipe(job, found)
         changed = _check_same_data(job, found)
-        head = found.path
-        if isinstance(net, ShardedNet):
-            if not head_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
-                head = unsplit_head(job, found)
-            head_files.check(head, net.head_arrays(), net.classes)
-            rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-        elif head_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
-            layer = net.model.get_layer(HEAD_LAYER)
-            arrays = head_arrays(layer.kernel, layer.bias, net.optimizer)
-            head_files.check(found.path, arrays, len(job.classes))
-            rows = checkpoints.restore(found, features_view(net.model), net.optimizer, partial=True)["rows"]
-            for name, variable in arrays.items():
-                variable.assign(head_files.read_columns(found.path, name, 0, len(job.classes), len(job.classes)))
-        else:
-            rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
+        rows, head = restore_any_layout(job, net, found)
         return found.path, found.state.to_dict(), rows, changed, found.info, head
 
     def restore_then_describe():
@@ -258,10 +243,7 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     if restored is None:
         return fresh_state(job, plan), History()
     path, values, rows, changed, info, head = restored
-    if isinstance(net, ShardedNet):  # each rank's classes of the head, from rank 0's checkpoint
-        net.restore_head(head, ctx.is_root)
-        if ctx.is_root and head != path:
-            shutil.rmtree(head, ignore_errors=True)
+    take_head(net, ctx, head, path)
     state = TrainState.from_dict(values)
     # Each rank takes back its own BatchNorm statistics and metric sums, or
     # their mean when the workers are not the same ones.
