@@ -58,10 +58,11 @@ def _import_tensorflow_quietly() -> None:
     small ``grep -v`` process stands between file descriptor 2 and the real
     stderr, so even an import that kills the process (an abort in C++)
     leaves its last words on the terminal: grep outlives it and prints what
-    it read. ``TF_CPP_MIN_LOG_LEVEL`` other than 3 (``HVD_TRAIN_VERBOSE``)
-    shows everything.
+    it read. The lines sieved come before any log level applies, so a level
+    of the user's own (``TF_CPP_MIN_LOG_LEVEL=2``, a common setting) would
+    show them all, on every rank: only ``HVD_TRAIN_VERBOSE`` shows everything.
     """
-    if os.environ["TF_CPP_MIN_LOG_LEVEL"] != "3" or "tensorflow" in sys.modules:
+    if VERBOSE or "tensorflow" in sys.modules:
         return
     grep = shutil.which("grep")
     sieve = saved = None
