@@ -327,14 +327,15 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
         tmp_path,
         demo_small,
         epochs=40,
-        search={"optim.base_lr": {"log_uniform": [0.01, 10.0]}, "run.seed": {"int": [1, 3]}},
+        search={"optim.base_lr": {"log_uniform": [0.01, 1e9]}, "run.seed": {"int": [1, 3]}},
         first=[
             {"optim.base_lr": 0.05, "run.seed": 1},
             {"optim.base_lr": 0.05, "run.seed": 2},
             {"optim.base_lr": 8.0, "run.seed": 1},
+            {"optim.base_lr": 1e9, "run.seed": 1},  # diverges: a region to leave, pruned with its reason
         ],
         objective="val_loss",
-        trials=3,
+        trials=4,
         sampler="random",
         pruner="median",
         prune_startup_trials=2,
@@ -351,7 +352,10 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
     hopeless = states[8.0]
     assert hopeless["state"] == "pruned", summary
     assert hopeless["epochs"] < 40 and "pruned at epoch" in hopeless["note"]
-    assert summary["epochs_saved_by_pruning"] == 40 - hopeless["epochs"]
+    diverged = states[1e9]
+    assert diverged["state"] == "pruned" and diverged["note"].startswith("training diverged: "), summary
+    assert "lower --base-lr" in diverged["note"].lower() and "\n" not in diverged["note"], diverged["note"]
+    assert summary["epochs_saved_by_pruning"] == 80 - hopeless["epochs"] - diverged["epochs"]
     assert f"trial {hopeless['number']} pruned at epoch" in proc.stderr
     # Stopped as a scheduler stops a run: on its checkpoint, not killed.
     assert "stopped by SIGTERM" in (tmp_path / "out" / hopeless["folder"] / "trial.log").read_text()
@@ -359,7 +363,7 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
     client, runs = mlflow_runs_of(mlflow_server, "out")
     by_name = {r.info.run_name: r for r in runs}
     assert sorted(by_name) == sorted(r["folder"] for r in summary["rows"])
-    assert by_name[hopeless["folder"]].info.status == "KILLED"
+    assert by_name[hopeless["folder"]].info.status == "KILLED" and by_name[diverged["folder"]].info.status == "FAILED"
     for row in summary["rows"]:
         if row["state"] == "complete":
             logged = by_name[row["folder"]]

@@ -32,7 +32,7 @@ import yaml
 
 from hvd_train import files
 from hvd_train.config import sources
-from hvd_train.errors import UserError
+from hvd_train.errors import Diverged, UserError
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.log import get_logger
@@ -256,6 +256,11 @@ class TrialJob:
             return Outcome("pruned", value, last, note)
         if code == EXIT_PREEMPTED or (stopped and code != 0):
             return Outcome("stopped", None, last, f"stopped after epoch {last}" if last else "stopped")
+        if code == Diverged.exit_code:
+            # Options that diverge are a region of the search to leave, as a pruned trial is (TPE learns
+            # from it; a failed trial it ignores), not a failure of the sweep's set-up.
+            value = self.reported.get(last)
+            return Outcome("pruned", value, last, _last_error(self.folder).partition("error: ")[2] or "diverged")
         if code != 0:
             return Outcome("failed", None, last, f"exit {code}: {_last_error(self.folder)}")
         return self._summary(last)
