@@ -5,6 +5,7 @@ optimizer, the compiled steps), and once through ``train`` with a resume.
 """
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -290,6 +291,17 @@ def test_early_stop_with_ema_saves_the_best_epochs_averaged_weights_and_resumes(
     rows = (out / "metrics.csv").read_text().splitlines()
     header, epoch_1 = rows[0].split(","), rows[1].split(",")
     assert summary["val_accuracy"] == pytest.approx(float(epoch_1[header.index("val_accuracy")]))
+    # Killed in epoch 2 (its checkpoint and the outputs not written yet): the rerun resumes after epoch 1,
+    # ends after epoch 2 as before, and saves epoch 1's averaged weights again.
+    shutil.rmtree(checkpoints / "epoch-0002")
+    for name in ("model.keras", "summary.json"):
+        (out / name).unlink()
+    resumed = cli([*command, *stop])
+    assert resumed.returncode == 0 and "resuming from" in resumed.stderr, output_of(resumed)
+    assert "training ends after epoch 2 of 3 (best: epoch 1" in resumed.stderr, output_of(resumed)
+    assert json.loads((out / "summary.json").read_text())["early_stop"]["saved_epoch"] == 1
+    again_saved = tf.keras.models.load_model(out / "model.keras", compile=False).get_weights()
+    assert any(w.shape == (32, 5) and np.array_equal(w, saved) for w in again_saved)
     # The same command again: the run stopped already. Without --early-stop it trains on from epoch 2.
     again = cli([*command, *stop])
     assert again.returncode == 0 and "stopped early after epoch 2 already" in again.stderr, output_of(again)
