@@ -1,4 +1,7 @@
+import json
+
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from hvd_train import compat  # noqa: F401
@@ -86,6 +89,15 @@ def test_a_sure_model_ties_or_non_finite_logits_score_by_the_logits_and_a_diverg
     assert result.confusion.sum() == 6 and result.confusion.unanswered() == 2 and result.confusion.dense().sum() == 4
     assert result.per_class_accuracy()[3] == 0.0 and result.per_class_accuracy()[5] == 0.0
     assert result.confusion.mistakes() == [(4, 0, 2), (7, 0, 1), (9, 0, 1)]
+    # What evaluation.json and summary.json keep, read back by the report, keeps them: the rows of a matrix
+    # have no column for them, so the cells are written.
+    from hvd_train.results import plots
+    from hvd_train.results.report_page import per_class_rows
+
+    kept = plots.confusion_from_json(json.loads(json.dumps(plots.confusion_to_json(result.confusion))))
+    assert kept == result.confusion and kept.sum() == 6 and kept.unanswered() == 2
+    rows = {name: (images, right) for name, images, right, *_ in per_class_rows(kept, [str(c) for c in range(c)])}
+    assert rows["3"] == (1, 0) and rows["5"] == (1, 0) and sum(images for images, _ in rows.values()) == 6
 
 
 def test_fifty_thousand_classes_are_scored_without_a_matrix_of_every_pair():
@@ -140,3 +152,12 @@ def test_the_held_out_input_is_built_once_a_rank_and_the_step_traced_once_for_ev
     # One trace of the step for full and last batches alike, kept for the next evaluation.
     [step] = model.__dict__["_hvd_train_eval_steps"].values()
     assert step.experimental_get_tracing_count() == 1
+
+
+def test_predict_gives_an_image_whose_scores_are_not_finite_no_label():
+    from hvd_train.commands.predict import answer
+
+    classes = ["cat", "dog", "owl"]
+    assert answer("a.png", np.array([0.1, 0.7, 0.2], "float32"), classes) == ("a.png", "dog", pytest.approx(0.7))
+    path, label, probability = answer("b.png", np.array([np.nan] * 3, "float32"), classes)
+    assert (path, label) == ("b.png", "") and np.isnan(probability)  # was "cat", the argmax of nan

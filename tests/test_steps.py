@@ -116,7 +116,7 @@ bad[0, 0] = np.inf
 net = net_of(per_call=1)
 batches = iter(tf.data.Dataset.from_tensor_slices(([x, bad, x], [y] * 3, [np.arange(4, dtype=np.int64)] * 3)))
 reports = [net.run_steps(batches, 1, (False, False, 0.0), (0, 0, 4, 4, 4), CONSTANT)[1].numpy()[3] for _ in range(3)]
-print(json.dumps({"reports": [float(r) for r in reports], "finite": net.finite(), "fresh": net_of().finite()}))
+print(json.dumps({"reports": [float(r) for r in reports], "broken": net.non_finite(), "fresh": net_of().non_finite()}))
 
 # One collective that Horovod runs here, so the timeline shows it records them.
 import horovod.tensorflow as hvd
@@ -190,6 +190,8 @@ def test_the_compiled_schedule_is_the_python_schedule(cases):
 def test_a_loss_that_is_not_finite_is_reported_by_the_call_after_it(cases):
     """The call's report sums the ranks whose loss of the epoch is not finite before its steps: the step with
     an inf pixel makes the loss nan in the second call, the third reports it (``divergence``). The weights
-    its update wrote are not finite, which the checkpoints' check reads; a fresh net's are."""
+    its update wrote are not finite, nor the optimizer's values and the loss sums, which the checkpoints'
+    check reads; a fresh net's are."""
     found = cases[3]
-    assert found["reports"] == [0.0, 0.0, 1.0] and found["finite"] is False and found["fresh"] is True
+    assert found["reports"] == [0.0, 0.0, 1.0] and found["fresh"] == []
+    assert found["broken"] == ["weights", "optimizer values", "epoch's loss sums"], found["broken"]

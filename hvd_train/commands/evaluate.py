@@ -129,6 +129,8 @@ def _report(args, ctx, trained, images, result, s3) -> None:
     print(f"accuracy  {result.accuracy:.4f}")
     print(f"top-{result.k}     {result.top5:.4f}")
     print(f"loss      {result.loss:.4f}")
+    if result.confusion.unanswered():  # a diverged model: no class for these, each a miss
+        print(f"no class  {result.confusion.unanswered()} (their scores are not finite; each counts as a miss)")
     many = len(trained.classes) > plots.MANY_CLASSES
     shown = list(zip(trained.classes, per_class))
     if many:  # the worst; every class is in the report

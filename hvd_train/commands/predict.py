@@ -78,13 +78,22 @@ def run(args: argparse.Namespace) -> int:
             ),
             verbose=0,
         )
-        for path, p in zip(mine, probs):
-            best = int(p.argmax())
-            rows.append((path, trained.classes[best], float(p[best])))
+        rows += [answer(path, p, trained.classes) for path, p in zip(mine, probs)]
     gathered = ctx.allgather_object(rows, name="predict_rows")
     # Horovod: the other ranks wait for rank 0's CSV, so that every rank ends together.
     ctx.on_root(lambda: _write_rows(args, files, gathered), name="predict_write")
     return 0
+
+
+def answer(path: str, probabilities, classes: list[str]) -> tuple[str, str, float]:
+    """``(path, label, probability)`` of one image; no label (and nan) where its scores are not finite (a
+    diverged model), as ``evaluate`` counts such an image: no class, a miss."""
+    import math
+
+    best = int(probabilities.argmax())
+    if not all(math.isfinite(float(p)) for p in probabilities):
+        return path, "", math.nan
+    return path, classes[best], float(probabilities[best])
 
 
 def _write_rows(args, files: list[str], gathered: list) -> None:

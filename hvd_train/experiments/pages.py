@@ -43,6 +43,7 @@ def summarize(sweep: Sweep, study, storage: str) -> dict[str, Any]:
                 "note": t.user_attrs.get("note", ""),
                 "folder": folder_name,
                 "retry_of": t.user_attrs.get("retry_of"),
+                "diverged": bool(t.user_attrs.get("diverged")),
             }
         )
     done = [r for r in rows if r["state"] == "complete"]
@@ -50,7 +51,7 @@ def summarize(sweep: Sweep, study, storage: str) -> dict[str, Any]:
     if done:
         pick = max if sweep.direction == "maximize" else min
         best = pick(done, key=lambda r: r["value"])
-    pruned = [r for r in rows if r["state"] == "pruned"]
+    pruned = [r for r in rows if r["state"] == "pruned" and not r["diverged"]]  # the pruner's, not divergence's
     saved = sum(max(0, epochs - (r["epochs"] or 0)) for r in pruned)
     importances, tie = _importances(study)
     return {

@@ -243,7 +243,7 @@ class TrialJob:
                 os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: its ranks too
         code = proc.returncode
         last = max((epoch for epoch, _ in self._epochs()), default=0)  # the epochs the job ran
-        if pruned is None and code == 0 and not lost:
+        if pruned is None and code in (0, Diverged.exit_code) and not lost:
             try:
                 self._report(trial)  # the last epochs, written before the job ended
             except finished:
@@ -259,6 +259,7 @@ class TrialJob:
         if code == Diverged.exit_code:
             # Options that diverge are a region of the search to leave, as a pruned trial is (TPE learns
             # from it; a failed trial it ignores), not a failure of the sweep's set-up.
+            trial.set_user_attr("diverged", True)
             value = self.reported.get(last)
             return Outcome("pruned", value, last, _last_error(self.folder).partition("error: ")[2] or "diverged")
         if code != 0:

@@ -208,6 +208,7 @@ class Net:
         # took much of the first call on every rank, at every start and elastic
         # reset (with Horovod's below: 19 s -> 11 s, MobileNetV2 on a CPU).
         self._run = tf.function(self._run_steps, autograph=False)
+        self._finite_check = None  # ``non_finite``'s compiled check, made at its first call
 
     @property
     def variables(self) -> list[tf.Variable]:
@@ -423,11 +424,36 @@ class Net:
     def _loss_metric(self):
         return next(m for m in self.model.metrics if m.name == "loss")
 
-    def finite(self) -> bool:
-        """Whether this rank's weights, BatchNorm statistics and optimizer values are all finite (read from the
-        device); the epoch's loss aside: under a loss scale, a step with a non-finite loss changes nothing."""
-        values = [v for v in self.variables if v.dtype.is_floating] + self._statistic_averages
-        return bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+    def value_groups(self) -> dict[str, list[tf.Variable]]:
+        """What a checkpoint holds of this rank, by what a user calls it (``non_finite``); the epoch's loss
+        sums only where the loss is watched (under a loss scale a step's loss may be nan, its update skipped)."""
+        statistics = self.batchnorm_statistics() + self._statistic_averages
+        theirs = {v.ref() for v in statistics}
+        groups = {
+            "weights": [v for v in self.model.variables if v.ref() not in theirs],
+            "BatchNorm statistics": statistics,
+            "optimizer values": list(self.optimizer.variables) + loss_scale_variables(self.optimizer),
+        }
+        if not is_loss_scaled(self.optimizer):
+            groups["epoch's loss sums"] = self.metric_variables()
+        return {name: [v for v in group if v.dtype.is_floating] for name, group in groups.items()}
+
+    def non_finite(self) -> list[str]:
+        """The groups of ``value_groups`` that hold a value that is not finite (one compiled check)."""
+        if self._finite_check is None:
+            groups = self.value_groups()
+
+            def check():
+                return tf.stack(
+                    [
+                        tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in group] or [True])
+                        for group in groups.values()
+                    ]
+                )
+
+            self._finite_check = list(groups), tf.function(check, autograph=False)
+        names, check = self._finite_check
+        return [name for name, finite in zip(names, check().numpy()) if not finite]
 
     def loss_diverged(self, loss) -> bool:
         """Whether the epoch's ``loss`` (averaged over ranks) says the run diverged: not finite, where each

@@ -140,10 +140,12 @@ class ShardedNet(Net):
         correct = tf.cast(tf.equal(step.predicted, tf.cast(labels, tf.int32)), tf.float32)
         keras.metrics.Mean.update_state(metrics["accuracy"], correct, sample_weight=weights)
 
-    def finite(self) -> bool:
-        """``Net.finite``, and this rank's shard of the head with its optimizer's values."""
-        head = [tf.reduce_all(tf.math.is_finite(v)) for v in self.head_arrays().values()]
-        return super().finite() and bool(tf.reduce_all(head))
+    def value_groups(self) -> dict[str, list[tf.Variable]]:
+        """``Net.value_groups``, with this rank's shard of the head and its optimizer's values."""
+        groups = super().value_groups()
+        groups["weights"] += [self.kernel, self.bias]
+        groups["optimizer values"] += [v for v in self.head_optimizer.variables if v.dtype.is_floating]
+        return groups
 
     # --- the head in checkpoints and the saved model -------------------------
 

@@ -126,9 +126,11 @@ def confusion_to_json(confusion: Confusion):
     """The confusion as JSON: rows of counts, or above ``MANY_CLASSES`` classes only its non-zero cells.
 
     A dense 1,000-class matrix is a million numbers (megabytes of JSON) for
-    at most as many non-zero cells as held-out images.
+    at most as many non-zero cells as held-out images. Images with no
+    predicted class (scores not finite) have no column in the rows: the cells
+    keep them (predicted class -1), whatever the classes.
     """
-    if confusion.classes <= MANY_CLASSES:
+    if confusion.classes <= MANY_CLASSES and not confusion.unanswered():
         return confusion.dense().tolist()
     return {"classes": confusion.classes, "cells": confusion.cells()}
 
@@ -160,8 +162,9 @@ def confusion(matrix: Confusion, classes: Sequence[str], path: str, title: str =
     if n > MANY_CLASSES:
         _confusion_of_many(matrix, classes, path, title)
         return
+    correct, count, unanswered = matrix.trace(), matrix.sum(), matrix.unanswered()
+    totals = matrix.totals()[:, None]  # images with no predicted class among them: no cell of their row
     matrix = matrix.dense()
-    totals = matrix.sum(axis=1, keepdims=True)
     share = np.divide(matrix, totals, out=np.zeros(matrix.shape, dtype=float), where=totals > 0)
     cell = 0.42 if n <= 20 else 0.2  # inches per class
     names = [c if len(c) <= 28 else c[:27] + "…" for c in classes]
@@ -190,10 +193,8 @@ def confusion(matrix: Confusion, classes: Sequence[str], path: str, title: str =
                         fontsize=font - 1,
                         color="white" if dark else "black",
                     )
-    correct = int(np.trace(matrix))
-    count = int(matrix.sum())
     heading = f"{title + ': ' if title else ''}{correct}/{count} right ({correct / max(count, 1):.1%})"
-    ax.set_title(heading)
+    ax.set_title(heading + (f", {unanswered} with no class (scores not finite)" if unanswered else ""))
     save(fig, path, dpi=100)
 
 

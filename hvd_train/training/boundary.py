@@ -20,6 +20,7 @@ import numpy as np
 from hvd_train.config import parse_every
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
+from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import stage_head
 from hvd_train.training import checkpoints, divergence, remote
@@ -53,6 +54,7 @@ class Boundary:
         self.job, self.cfg, self.ctx, self.net = job, job.cfg, ctx, net
         self.state, self.stop, self.history, self.commit = state, stop, history, commit
         self.every_steps, self.every_seconds = parse_every(self.cfg.run.checkpoint_every)
+        self._written: str | None = None  # the last checkpoint this run wrote
         self.restart()
 
     def restart(self) -> None:
@@ -130,11 +132,12 @@ class Boundary:
         self.history.undecodable.update(self.net.take_stand_ins())
 
     def diverged(self, what: str) -> Exception:
-        """The error that ends a diverged run (``divergence``), naming the last finite checkpoint."""
-        newest = checkpoints.candidates(self.cfg.run.output)[:1] if self.ctx.is_root else []
-        where = remote.location(self.cfg.run.output, newest[0]) if newest else None
+        """The error that ends a diverged run (``divergence``), naming its last finite checkpoint: the one it
+        wrote last, or resumed from."""
+        last = self._written or self.history.resumed_from
+        where = remote.location(self.cfg.run.output, last) if last else None
         lr = float(self.net.optimizer.learning_rate.numpy())
-        return divergence.error(self.cfg, self.state, lr, what, where)
+        return divergence.error(self.cfg, self.state, lr, what, where, is_loss_scaled(self.net.optimizer))
 
     def _stop(self) -> None:
         state = self.state
@@ -162,14 +165,15 @@ class Boundary:
         self.collect_stand_ins()
         # Horovod: the values that differ between ranks go into the checkpoint too, with the
         # training images each rank met undecodable and has not reported yet (at the epoch's end).
-        # A checkpoint of non-finite weights would be the resume point: the run ends with its last finite one.
+        # A checkpoint of non-finite values would be the resume point: the run ends with its last finite one.
         gathered = ctx.allgather_object(
-            (self.net.read_local().astype(np.float32), sorted(self.history.undecodable), self.net.finite()),
+            (self.net.read_local().astype(np.float32), sorted(self.history.undecodable), self.net.non_finite()),
             name="local_values",
         )
-        broken = sum(1 for _, _, finite in gathered if not finite)
+        broken = [groups for _, _, groups in gathered if groups]
         if broken:
-            raise self.diverged(f"the weights, statistics or optimizer values of {broken} of {ctx.size} rank(s)")
+            what = " and ".join(sorted({g for groups in broken for g in groups}))
+            raise self.diverged(f"the {what} of {len(broken)} of {ctx.size} rank(s)")
         rows = [row for row, _, _ in gathered]
         local = np.stack(rows) if ctx.size <= MAX_LOCAL_ROWS else np.mean(rows, axis=0, keepdims=True)
         info = {
@@ -207,6 +211,7 @@ class Boundary:
             return path
 
         path = ctx.on_root(write, name="checkpoint")
+        self._written = path
         self._last_checkpoint = (state.step, time.monotonic())
         seconds = time.perf_counter() - started
         self.history.checkpoint_seconds += seconds

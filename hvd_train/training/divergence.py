@@ -15,8 +15,9 @@ finite one.
 
 Under a loss scale (``mixed_float16``) a step whose gradients or loss are
 not finite is skipped, the weights as they were, and the scale halved: that
-is no divergence, and the loss is not watched; the checkpoints' check of the
-weights still holds.
+is no divergence, and the loss is not watched. A forward pass that overflows
+float16 still writes inf into the BatchNorm statistics, which the
+checkpoints' check finds and names.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from hvd_train.errors import Diverged
 
 
-def error(cfg, state, lr: float, what: str, checkpoint: str | None) -> Diverged:
+def error(cfg, state, lr: float, what: str, checkpoint: str | None, loss_scaled: bool = False) -> Diverged:
     """The one-line error of a diverged run, on every rank alike.
 
     Args:
@@ -33,6 +34,7 @@ def error(cfg, state, lr: float, what: str, checkpoint: str | None) -> Diverged:
         lr: the learning rate of the last step.
         what: what was not finite, e.g. ``the loss of 1 of 2 rank(s)``.
         checkpoint: where the last finite checkpoint is, or None.
+        loss_scaled: the run computes in float16 under a loss scale (its range may be what overflowed).
     """
     # At an epoch's end the state has moved on to the next epoch already.
     epoch = state.epoch if state.samples == 0 and state.epoch > 0 else state.epoch + 1
@@ -46,6 +48,7 @@ def error(cfg, state, lr: float, what: str, checkpoint: str | None) -> Diverged:
     return Diverged(
         f"training diverged: {what} turned non-finite in epoch {epoch}/{cfg.run.epochs}, by step {state.step} "
         f"(learning rate {lr:.4g}, --base-lr {cfg.optim.base_lr:g}); {kept}. Lower --base-lr (`hvd-train "
-        f"lr-find` suggests one) or warm up longer (--warmup-epochs), then {then}.",
+        f"lr-find` suggests one) or warm up longer (--warmup-epochs)"
+        f"{', or compute in a wider range (--precision mixed_bfloat16 or fp32)' if loss_scaled else ''}, then {then}.",
         agreed=True,
     )
