@@ -31,7 +31,8 @@ def bindir() -> Path:
 
 
 class PostgresServer:
-    """``with PostgresServer(port) as url``: a server with a database ``sweeps`` owned by user ``sweep``."""
+    """``with PostgresServer(port) as url``: a server with a database ``sweeps`` owned by user ``sweep``, who
+    may create others (``new_database``)."""
 
     def __init__(self, port: int):
         self.port = port
@@ -69,7 +70,7 @@ class PostgresServer:
             "start",
         )
         self.started = True
-        for sql in (f"CREATE ROLE sweep LOGIN PASSWORD '{PASSWORD}'", "CREATE DATABASE sweeps OWNER sweep"):
+        for sql in (f"CREATE ROLE sweep LOGIN CREATEDB PASSWORD '{PASSWORD}'", "CREATE DATABASE sweeps OWNER sweep"):
             self._run(bin_ / "psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres",
                       "-v", "ON_ERROR_STOP=1", "-c", sql, env={"PGPASSWORD": ADMIN})  # fmt: skip
         return f"postgresql://sweep:{PASSWORD}@127.0.0.1:{self.port}/sweeps"
@@ -101,3 +102,12 @@ class PostgresServer:
             )
             self.started = False
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def new_database(url: str, name: str) -> str:
+    """The URL of a new empty database ``name`` on the server of ``url`` (``postgres_url``'s), made by its user."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return url.rsplit("/", 1)[0] + "/" + name

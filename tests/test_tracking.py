@@ -3,12 +3,13 @@ MLflow's client; TensorBoard's HParams from the event files."""
 
 import json
 import shutil
+import sys
 
 import pytest
 
 from hvd_train.errors import UserError
 
-from conftest import TINY, cli, free_port, output_of, png_with_a_corrupt_middle
+from conftest import TINY, cli, free_port, kill_group, output_of, png_with_a_corrupt_middle, start
 from mlflow_server import mlflow_runs_of
 
 SECRET = "tracking-secret-5b1e-never-logged"
@@ -145,6 +146,68 @@ def test_a_broken_default_store_is_refused_in_one_line_naming_it(in_a_fresh_fold
         message = str(refused.value)
         assert message.startswith(f"cannot log to MLflow at sqlite:///{in_a_fresh_folder / 'mlflow.db'} ("), message
         assert "check --track-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
+
+
+# Makes a new store ready as a sweep does before its trials (prepare) or as a tracked run does at its start,
+# once the test says go: two of them at once make the store's tables at once.
+AT_ONCE = """
+import os, sys, time
+import mlflow.tracking
+from hvd_train import config
+from hvd_train.experiments import tracking
+
+uri, go, how, output = sys.argv[1:]
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.001)
+if how == "prepare":
+    tracking.prepare(uri, "at-once")
+else:
+    os.makedirs(output)
+    run = {"output": output, "track": "mlflow", "track_uri": uri, "track_experiment": "at-once"}
+    tracking.Tracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
+"""
+
+
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_processes_that_make_a_new_store_at_once_both_log_to_it(tmp_path, request, store):
+    if store == "sqlite":
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    else:
+        from postgres_server import new_database
+
+        uri = new_database(request.getfixturevalue("postgres_url"), "at_once")
+    go = tmp_path / "go"
+    procs = [start([sys.executable, "-c", AT_ONCE, uri, go, how, tmp_path / how]) for how in ("prepare", "run")]
+    try:
+        for proc in procs:
+            assert proc.stdout.readline().strip() == "ready", proc.communicate()
+        go.touch()
+        done = [(proc.wait(timeout=240), *proc.communicate()) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    assert [code for code, _, _ in done] == [0, 0], done
+    _, runs = mlflow_runs_of(uri, "at-once")
+    assert [r.info.run_name for r in runs] == ["run"]
+
+
+def test_a_store_whose_tables_are_half_made_is_refused_in_one_line_saying_so(tmp_path):
+    import sqlite3
+
+    from hvd_train.experiments import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracking.prepare(f"sqlite:///{tmp_path}/./mlflow.db", "made")  # another spelling: MLflow keeps a store per URI
+    # As a migration cut short leaves them: some tables made, and no record of the migrations that made them.
+    with sqlite3.connect(tmp_path / "mlflow.db") as db:
+        db.execute("DELETE FROM alembic_version")
+        db.execute("DROP TABLE experiment_tags")
+    with pytest.raises(UserError) as refused:
+        tracking.prepare(uri, "made")
+    message = str(refused.value)
+    assert message.startswith(f"cannot log to MLflow at {uri} (") and "\n" not in message, message
+    assert "its tables are half made" in message and "move that database aside" in message, message
 
 
 # --- a tracking server over HTTPS, its certificate self-signed -------------------------------------

@@ -11,8 +11,8 @@ holds. A process whose trials are all taken waits while others run theirs,
 and takes up any that is handed back.
 
 A tracked sweep (``train.run.track: mlflow``) makes its tracking store and
-experiment ready before any trial (``tracking.prepare``): trials that
-start together would each make a new store's tables at once. A sweep
+experiment ready before any trial (``tracking.prepare``): a store it
+cannot use stops it before any trial starts. A sweep
 whose first ``ALIKE_FAILURES`` trials all fail with the same cause (its
 data, its store, its environment: not a trial's options) stops there and
 says that cause, rather than start trial after trial that fails alike.

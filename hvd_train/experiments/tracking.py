@@ -9,16 +9,23 @@ metrics at that epoch, and at the end the run's files as artefacts
 labels.json, model.keras) and its final numbers.
 
 The tracking server is asked at the start: a URI that does not answer stops
-the run then, with the URI named, not after hours of training. Once
+the run then, with the URI named, not after hours of training. A new
+database store's tables are made as the run starts, by one process at a
+time (a lock beside a SQLite file; on a database server, retries of those
+that lose the race), whatever other runs or sweeps start beside it. Once
 training runs, a failed log call is a warning: the run's own files hold
 everything, and training goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import random
 import shutil
 import time
+import urllib.parse
 from typing import Any
 
 import yaml
@@ -42,6 +49,12 @@ ARTEFACTS = (
 )
 # The numbers of summary.json logged as the run's final metrics.
 FINAL = ("val_accuracy", "val_top5", "val_loss", "images_per_sec", "images_per_sec_first_epoch")
+# How long a process waits for another that makes a SQLite store's tables (seconds).
+STORE_LOCK_WAIT = 600.0
+# The database servers MLflow stores runs in (SQLAlchemy's names).
+SERVER_DATABASES = ("postgresql", "mysql", "mssql")
+# What a database server answers a process that makes a new store's tables while another makes them.
+_RACED = ("already exists", "duplicate key", "UniqueViolation", "Online migration expected", "deadlock detected")
 
 
 def _mlflow():
@@ -186,8 +199,9 @@ def prepare(uri: str, experiment: str) -> None:
     """Makes the store at ``uri`` ready for runs, before any starts: its tables made (a database's, as
     MLflow's default ``mlflow.db``) and ``experiment`` created.
 
-    A sweep calls it once before its trials: trials that started together on a new store would each
-    make its tables at once, and leave them half made.
+    A sweep calls it once before its trials: a store it cannot use stops the sweep in one line before
+    any trial starts, and its trials find the tables made (processes that make them take turns, or
+    retry: see ``_client``).
 
     Raises:
         UserError: MLflow is not installed, or the store cannot be reached or made (one line, naming ``uri``).
@@ -199,13 +213,77 @@ def prepare(uri: str, experiment: str) -> None:
         raise _refused(uri, e) from None
 
 
-def _client(uri: str):
-    """MLflow's client of ``uri``, its server asked first (``_probe``); a database store's tables are
-    made or migrated here (by MLflow, as the client is made)."""
+def _client(uri: str, attempts: int = 5):
+    """MLflow's client of ``uri``, its server asked first (``_probe``).
+
+    A database store's tables are made or migrated here, by MLflow as the
+    client is made. Processes that start together on a new store (a sweep's
+    and a run's, or runs started at once) would make them at once: on a
+    SQLite file they take turns (``_store_lock``); on a database server one
+    makes them and the others, refused (a table or key that now exists), try
+    again and find them made, as the study's storage does.
+    """
     from mlflow.tracking import MlflowClient
 
     _probe(uri)
-    return MlflowClient(tracking_uri=uri)
+    with _store_lock(uri):
+        for attempt in range(attempts):
+            try:
+                return MlflowClient(tracking_uri=uri)
+            except Exception as e:  # SQLAlchemy's errors of a concurrent CREATE TABLE or migration
+                raced = any(word in str(e) for word in _RACED)
+                if not _on_a_server(uri) or not raced or attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 + random.random())
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """Holds ``DATABASE.lock`` (``flock``) beside a ``sqlite:`` store's file while the block runs, so that
+    processes make or migrate its tables one at a time; nothing for any other store.
+
+    Raises:
+        TimeoutError: another process held it for ``STORE_LOCK_WAIT`` seconds.
+        OSError: the lock's file cannot be made (the store's folder is not there, or not writable).
+    """
+    path = _sqlite_file(uri)
+    if not path:
+        yield
+        return
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + STORE_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has held {path}.lock for {STORE_LOCK_WAIT:.0f} s, making the store's tables"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _sqlite_file(uri: str) -> str:
+    """The database file of a ``sqlite:`` URI, absolute; "" for any other URI, or an in-memory database."""
+    if not uri.startswith("sqlite:"):
+        return ""
+    from sqlalchemy.engine import make_url
+
+    database = make_url(uri).database or ""
+    if database.startswith("file:"):  # SQLite's URI filename (sqlite:///file:path?mode=rwc&uri=true)
+        database = urllib.parse.urlsplit(database).path
+    return "" if database in ("", ":memory:") else os.path.abspath(database)
+
+
+def _on_a_server(uri: str) -> bool:
+    """Whether ``uri`` is a database server's (SQLAlchemy's URL, ``postgresql+psycopg://`` too)."""
+    return urllib.parse.urlsplit(uri).scheme.split("+")[0] in SERVER_DATABASES
 
 
 def _experiment_id(client, name: str) -> str:
@@ -235,14 +313,26 @@ def _fix(uri: str, error: Exception) -> str:
             "trust the server's certificate as MLflow's client does: MLFLOW_TRACKING_SERVER_CERT_PATH or "
             "REQUESTS_CA_BUNDLE (MLFLOW_TRACKING_INSECURE_TLS=true checks none)"
         )
-    if "alembic" in text:  # MLflow's migrations of the store's tables, cut short
+    if _in_migration(error):  # what MLflow's migrations found was neither new nor a schema they know
         return (
-            "the store's tables were left half made (by processes that made them at once): move that "
-            "database aside, or give --track-uri another"
+            "its tables are half made (a migration of them cut short, or run by two processes at once): move "
+            "that database aside, or give --track-uri another"
         )
     if uri.startswith(("http://", "https://")):
         return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
     return "check --track-uri / MLFLOW_TRACKING_URI"
+
+
+def _in_migration(error: Exception) -> bool:
+    """Whether ``error`` was raised inside MLflow's migrations of a store's tables (alembic's code): after
+    ``_client``'s turns and retries, a store they cannot bring to MLflow's schema."""
+    tb = error.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if f"{os.sep}alembic{os.sep}" in name or f"{os.sep}db_migrations{os.sep}" in name:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _probe(uri: str, timeout: float = 10.0) -> None:
