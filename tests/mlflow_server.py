@@ -111,3 +111,70 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return cert_path, key_path
+
+
+class AuthProxy:
+    """``with AuthProxy(upstream, port, user, password, token) as uri``: a reverse proxy on 127.0.0.1 in front
+    of the server at ``upstream`` that answers 401 to every request, ``/health`` included, without
+    ``user:password`` (basic) or ``token`` (bearer): as a proxy that guards a tracking server does (MLflow's
+    own basic-auth app leaves ``/health`` open)."""
+
+    def __init__(self, upstream: str, port: int, user: str, password: str, token: str):
+        import base64
+
+        self.upstream, self.port = upstream, port
+        basic = base64.b64encode(f"{user}:{password}".encode()).decode()
+        self.accepted = {f"Basic {basic}", f"Bearer {token}"}
+
+    def __enter__(self) -> str:
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+
+        accepted = self.accepted
+        target = urllib.parse.urlsplit(self.upstream)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.headers.get("Authorization") not in accepted:
+                    self._answer(401, {"WWW-Authenticate": 'Basic realm="mlflow"'}, b"credentials, please")
+                    return
+                kept = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=kept)
+                    answer = upstream.getresponse()
+                    data = answer.read()
+                    passed = {
+                        k: v
+                        for k, v in answer.getheaders()
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length")
+                    }
+                    self._answer(answer.status, passed, data)
+                finally:
+                    upstream.close()
+
+            def _answer(self, status: int, headers: dict, data: bytes) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -277,3 +277,65 @@ def test_a_run_that_fails_in_training_ends_its_mlflow_run_failed(tmp_path, demo_
     assert proc.returncode == 2 and "during training; fix or remove it" in proc.stderr, output_of(proc)
     _, runs = mlflow_runs_of(mlflow_server, "failing")
     assert [r.info.status for r in runs] == ["FAILED"]
+
+
+# --- a tracking server behind a proxy that demands credentials on every path, /health too -------------
+
+PROXY_USER, PROXY_PASSWORD, PROXY_TOKEN = "alice", "proxy-secret-3c9d-never-shown", "proxy-token-77e1-never-shown"
+
+
+@pytest.fixture(scope="module")
+def guarded_mlflow(mlflow_server):
+    from mlflow_server import AuthProxy
+
+    with AuthProxy(mlflow_server, free_port(), PROXY_USER, PROXY_PASSWORD, PROXY_TOKEN) as uri:
+        yield uri
+
+
+# Each of the ways MLflow's own client is given credentials.
+CREDENTIALS = {
+    "in the URI": ({}, f"{PROXY_USER}:{PROXY_PASSWORD}@"),
+    "MLFLOW_TRACKING_USERNAME": (
+        {"MLFLOW_TRACKING_USERNAME": PROXY_USER, "MLFLOW_TRACKING_PASSWORD": PROXY_PASSWORD},
+        "",
+    ),
+    "MLFLOW_TRACKING_TOKEN": ({"MLFLOW_TRACKING_TOKEN": PROXY_TOKEN}, ""),
+}
+
+
+@pytest.fixture
+def no_mlflow_credentials(monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("way", sorted(CREDENTIALS))
+def test_a_server_behind_a_proxy_that_demands_credentials_is_tracked_to_with_mlflows_own(
+    guarded_mlflow, tmp_path, no_mlflow_credentials, way
+):
+    from hvd_train.experiments.tracking import Tracker
+
+    variables, userinfo = CREDENTIALS[way]
+    for name, value in variables.items():
+        no_mlflow_credentials.setenv(name, value)
+    experiment = f"guarded-{way.replace(' ', '-')}"
+    tracker = Tracker.start(_tracked_config(tmp_path, guarded_mlflow.replace("//", f"//{userinfo}"), experiment), False)
+    tracker.log_epoch(1, {"val_accuracy": 0.5})
+    tracker.finish({"val_accuracy": 0.5})
+    _, runs = mlflow_runs_of(guarded_mlflow.replace("//", f"//{PROXY_USER}:{PROXY_PASSWORD}@"), experiment)
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(tracker.run_id, "FINISHED")]
+    assert PROXY_PASSWORD not in (tmp_path / "mlflow_run.json").read_text()
+
+
+def test_a_proxy_that_refuses_the_credentials_is_named_in_one_line_without_them(
+    guarded_mlflow, tmp_path, no_mlflow_credentials
+):
+    from hvd_train.experiments.tracking import Tracker
+
+    wrong = guarded_mlflow.replace("//", f"//{PROXY_USER}:not-{PROXY_PASSWORD}@")
+    with pytest.raises(UserError) as refused:
+        Tracker.start(_tracked_config(tmp_path, wrong, "refused"), resumed=False)
+    message = str(refused.value)
+    assert message.startswith(f"cannot log to MLflow at {guarded_mlflow} (") and "\n" not in message, message
+    assert "401" in message and "MLFLOW_TRACKING_USERNAME" in message and PROXY_PASSWORD not in message, message

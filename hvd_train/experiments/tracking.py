@@ -49,6 +49,8 @@ ARTEFACTS = (
 )
 # The numbers of summary.json logged as the run's final metrics.
 FINAL = ("val_accuracy", "val_top5", "val_loss", "images_per_sec", "images_per_sec_first_epoch")
+# How long the probe of a tracking server waits for an answer, unless MLFLOW_HTTP_REQUEST_TIMEOUT says (seconds).
+PROBE_TIMEOUT = 10.0
 # How long a process waits for another that makes a SQLite store's tables (seconds).
 STORE_LOCK_WAIT = 600.0
 # The database servers MLflow stores runs in (SQLAlchemy's names).
@@ -318,6 +320,11 @@ def _fix(uri: str, error: Exception) -> str:
             "its tables are half made (a migration of them cut short, or run by two processes at once): move "
             "that database aside, or give --track-uri another"
         )
+    if any(word in text for word in ("error code 401", "error code 403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
+        return (
+            "give MLflow the server's credentials: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+            "MLFLOW_TRACKING_TOKEN"
+        )
     if uri.startswith(("http://", "https://")):
         return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
     return "check --track-uri / MLFLOW_TRACKING_URI"
@@ -335,17 +342,22 @@ def _in_migration(error: Exception) -> bool:
     return False
 
 
-def _probe(uri: str, timeout: float = 10.0) -> None:
-    """Asks a tracking server's ``/health`` once: MLflow's client would retry a server that is not
-    there for minutes before it fails.
+def _probe(uri: str) -> None:
+    """Asks a tracking server's ``/health`` once whether anything answers there: MLflow's client would
+    retry a server that is not there for minutes before it fails.
+
+    Any answer below 500 is one, a 401 or 403 included (a proxy that wants credentials on every path,
+    ``/health`` too): MLflow's own first request, with the credentials MLflow is given (in the URI,
+    ``MLFLOW_TRACKING_USERNAME`` and ``_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``, or a plugin's), says the
+    rest, at once. The probe sends none of them. A 5xx is a proxy whose server behind is not there,
+    which MLflow's client would retry for minutes: refused.
 
     The request is made as MLflow's client makes its own (``mlflow/utils/rest_utils.py``): with
     ``requests``, which trusts ``REQUESTS_CA_BUNDLE``, and the certificates MLflow's variables
     give (``MLFLOW_TRACKING_SERVER_CERT_PATH``, ``MLFLOW_TRACKING_CLIENT_CERT_PATH``), or none
-    checked (``MLFLOW_TRACKING_INSECURE_TLS``): a server MLflow reaches, the probe reaches.
+    checked (``MLFLOW_TRACKING_INSECURE_TLS``); within ``MLFLOW_HTTP_REQUEST_TIMEOUT`` seconds where
+    that is set, else ``PROBE_TIMEOUT``: a server MLflow reaches, the probe reaches.
     """
-    import urllib.parse
-
     if urllib.parse.urlsplit(uri).scheme not in ("http", "https"):
         return
     import requests
@@ -353,10 +365,12 @@ def _probe(uri: str, timeout: float = 10.0) -> None:
 
     server_cert = env.MLFLOW_TRACKING_SERVER_CERT_PATH.get()
     verify = server_cert if server_cert else not env.MLFLOW_TRACKING_INSECURE_TLS.get()
+    timeout = env.MLFLOW_HTTP_REQUEST_TIMEOUT
     answer = requests.get(
         f"{redact_url(uri).rstrip('/')}/health",
-        timeout=timeout,
+        timeout=timeout.get() if timeout.is_set() else PROBE_TIMEOUT,
         verify=verify,
         cert=env.MLFLOW_TRACKING_CLIENT_CERT_PATH.get(),
     )
-    answer.raise_for_status()
+    if answer.status_code >= 500:
+        answer.raise_for_status()
