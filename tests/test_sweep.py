@@ -459,6 +459,91 @@ def test_each_study_of_a_folder_has_a_folder_of_its_own_and_one_made_before_goes
             folder_of(name)
 
 
+def test_every_sweep_process_finds_a_studys_folder_where_its_creator_put_it(tmp_path):
+    """Sweeps sharing a study (its database a server's; here one SQLite file) may give its folder or
+    its parent as --output: the study's trials are in the one folder named after it."""
+    from hvd_train.experiments import spec
+    from hvd_train.experiments import study as studies
+
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]}, storage=storage)
+    base = tmp_path / "sw"
+    (base / "lr").mkdir(parents=True)
+
+    def folder_of(output: Path, name=None) -> str:
+        return studies.study_folder(studies.open_study(spec.load(str(path), study=name), str(output)), str(output))
+
+    assert folder_of(base / "lr") == str(base / "lr")  # made with --output sw/lr (the study named after it)
+    assert folder_of(base, "lr") == str(base / "lr")  # then --output sw --study lr
+    assert folder_of(base, "wd") == str(base / "wd")  # made with --output sw --study wd
+    assert folder_of(base / "wd") == str(base / "wd")  # then --output sw/wd
+    # A study of an earlier version with the default name (its folder attribute ""): the same.
+    optuna.load_study(study_name="lr", storage=storage).set_user_attr("folder", "")
+    assert folder_of(base, "lr") == folder_of(base / "lr") == str(base / "lr")
+
+
+def test_a_new_study_whose_folder_holds_another_studys_trials_is_refused(tmp_path):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+    from hvd_train.experiments import study as studies
+
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})
+    (tmp_path / "sw" / "lr" / "trial-0000").mkdir(parents=True)  # of `--output sw/lr`, its study.db in sw/lr
+    (tmp_path / "sw" / "lr" / "study.db").touch()
+    with pytest.raises(UserError) as refused:
+        studies.open_study(spec.load(str(path), study="lr"), str(tmp_path / "sw"))  # its study.db in sw
+    message = str(refused.value)
+    assert f"{tmp_path / 'sw' / 'lr'} holds trials of another study" in message and "\n" not in message, message
+    assert f"give --output {tmp_path / 'sw' / 'lr'}" in message, message
+    assert optuna.get_all_study_names(f"sqlite:///{tmp_path / 'sw' / 'study.db'}") == []
+
+
+@pytest.mark.parametrize("written", ["/some/dir", "../..", "trial-0001", "other"])
+def test_a_study_folder_written_in_its_database_never_leaves_the_sweeps_folder(tmp_path, written):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+    from hvd_train.experiments import study as studies
+
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]}, study="lr")
+    out = tmp_path / "out"
+    out.mkdir()
+    studies.open_study(spec.load(str(path)), str(out))
+    made = optuna.load_study(study_name="lr", storage=f"sqlite:///{out / 'study.db'}")
+    made.set_user_attr("folder", written)  # by anyone who may write to a shared database
+    with pytest.raises(UserError) as refused:
+        studies.study_folder(studies.open_study(spec.load(str(path)), str(out)), str(out))
+    message = str(refused.value)
+    assert f"the study 'lr' names its folder {written!r} in its database" in message and "\n" not in message
+
+
+def test_a_trial_folder_written_in_the_database_never_leaves_the_studys_folder(tmp_path):
+    """A trial whose folder attribute is not trial-NNNN is failed, not run (nor handed back) there."""
+    import fcntl
+
+    from hvd_train.experiments import spec
+    from hvd_train.experiments import study as studies
+    from hvd_train.experiments.sweep import SweepRun
+    from hvd_train.experiments.trial import Slot
+
+    sweep = spec.load(str(sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})))
+    out = tmp_path / "out"
+    out.mkdir()
+    run = SweepRun(sweep, str(out))
+    run.study = studies.open_study(sweep, str(out))
+    run.storage, run.pages = "storage", str(out)
+    run.study.enqueue_trial({"optim.base_lr": 0.1}, user_attrs={"folder": "../escape"})
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    run.stopping.set()  # were the trial to wait for the folder's lock (held below), it would give up at once
+    with open(escape / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        run._run(run.study.ask(), Slot(0, (0,)))
+    (trial,) = run.study.get_trials()
+    assert trial.state.name == "FAIL", trial
+    assert "trial 0's folder is '../escape' in the study's database" in trial.user_attrs.get("note", ""), trial
+    assert sorted(p.name for p in escape.iterdir()) == [".lock"]
+
+
 def test_a_trial_folder_of_other_options_is_refused_at_once(tmp_path):
     """Another sweep's trial (its job still running, its folder locked): refused, not waited for."""
     import fcntl

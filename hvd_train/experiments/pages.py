@@ -144,7 +144,9 @@ def render(sweep: Sweep, summary: dict[str, Any], folder: str) -> str:
     # Each trial's folder links to its report.html.
     for r in ranked:
         name = html.escape(r["folder"])
-        if os.path.isfile(os.path.join(folder, r["folder"], report_page.REPORT)):
+        if studies.is_trial_folder(r["folder"]) and os.path.isfile(
+            os.path.join(folder, r["folder"], report_page.REPORT)
+        ):
             link = f"<a href='{name}/{report_page.REPORT}'>{name}</a>"
             table = table.replace(f'<td class="name">{name}</td></tr>', f'<td class="name">{link}</td></tr>', 1)
     out.append(table)

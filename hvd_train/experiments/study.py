@@ -70,8 +70,10 @@ def open_study(sweep: Sweep, folder: str):
     shown = redact_url(url)
     try:
         storage = _storage(op, url)
-        if name != default_name(folder) and name not in op.get_all_study_names(storage):
-            _check_folder_name(name, folder)
+        if name not in op.get_all_study_names(storage):
+            if name != default_name(folder):
+                _check_folder_name(name, folder)
+            _check_no_other_trials(name, folder)
         try:
             study = op.create_study(
                 study_name=name, storage=storage, pruner=_pruner(op, sweep), direction=sweep.direction
@@ -94,7 +96,7 @@ def open_study(sweep: Sweep, folder: str):
             f"{sweep.direction}s: name another `study` or choose another --output."
         )
     if created:
-        study.set_user_attr("folder", "" if name == default_name(folder) else name)
+        study.set_user_attr("folder", name)  # a folder of its own, named after it (see study_folder)
         for params in sweep.first:
             study.enqueue_trial(dict(params))
         study.set_user_attr("objective", sweep.objective)  # last: the study is set up
@@ -120,26 +122,86 @@ def study_name(sweep: Sweep, folder: str) -> str:
 
 
 def study_folder(study, folder: str) -> str:
-    """Where ``study``'s trials and pages are: the sweep's ``folder`` for the study named after it,
-    a folder of its own in it (its name) for any other, so that studies sharing ``folder`` (and its
-    study.db) never share a trial's folder. A study made before studies had folders of their own
-    has its trials in ``folder``, and goes on there."""
-    own = study.user_attrs.get("folder", "")
-    return os.path.join(folder, own) if own else folder
+    """Where ``study``'s trials and pages are: a folder named after the study, so that no two studies
+    sharing ``folder`` (and its study.db) share a trial's folder: ``folder`` itself when it has the
+    study's name (the default study), else a folder of that name in it.
+
+    Every sweep process of a study (sharing it in a database server) finds the same folder, whether it
+    gives that folder or its parent as ``--output``: ``--output sw/lr`` and ``--output sw --study lr``
+    are one. A study made before studies had folders of their own (no ``folder`` attribute) has its
+    trials in ``folder``, and goes on there.
+
+    Raises:
+        UserError: the study's ``folder`` attribute (in its database, which others may write to) is
+            neither its name nor "" (a study of an earlier version named after its folder), or its
+            name cannot be a folder's.
+    """
+    if "folder" not in study.user_attrs:
+        return folder
+    name, own = study.study_name, study.user_attrs["folder"]
+    if own not in ("", name):
+        raise UserError(
+            f"the study {name!r} names its folder {own!r} in its database, not its own name: something other "
+            f"than a sweep wrote it; set the study's user attribute `folder` back to {name!r}."
+        )
+    if name == default_name(folder):
+        return folder
+    _check_folder_name(name, folder)
+    return os.path.join(folder, name)
 
 
 def _check_folder_name(name: str, folder: str) -> None:
-    """A new study of a name other than its folder's gets a folder of that name, which must be one."""
+    """A study of a name other than its folder's has a folder of that name in it, which must be one."""
     where = os.path.join(folder, name)
     if (
         not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name)
-        or re.fullmatch(r"trial-\d+", name)
+        or is_trial_folder(name)
         or (os.path.exists(where) and not os.path.isdir(where))
     ):
         raise UserError(
             f"the study {name!r} would have its trials in {where}, which cannot be a folder of its own: name "
             "the study with letters, digits, '.', '_' and '-' (not trial-NNNN, nor a file of the sweep's)."
         )
+
+
+def _check_no_other_trials(name: str, folder: str) -> None:
+    """A new study's folder must hold no trials: they would be another study's (its database elsewhere,
+    as a study.db in that folder when it was given as --output), whose checkpoints its trials would take."""
+    where = folder if name == default_name(folder) else os.path.join(folder, name)
+    found = sorted(entry for entry in os.listdir(where) if is_trial_folder(entry)) if os.path.isdir(where) else []
+    if not found:
+        return
+    parent = os.path.dirname(os.path.abspath(folder))
+    if where != folder and os.path.isfile(os.path.join(where, "study.db")):
+        fix = f"to go on with the study there, give --output {where} (and no --study)"
+    elif where == folder and os.path.isfile(os.path.join(parent, "study.db")):
+        fix = f"to go on with the study there, give --output {parent} --study {name}"
+    else:
+        fix = "give the --output (and `storage`) it was run with, or move those folders away"
+    raise UserError(
+        f"{where} holds trials of another study ({found[0]}, ...), not of {name!r} in this sweep's storage: {fix}."
+    )
+
+
+def is_trial_folder(name: str) -> bool:
+    """Whether ``name`` is a trial's folder's (``trial-NNNN``), as a trial's ``folder`` attribute must be."""
+    return re.fullmatch(r"trial-\d+", name) is not None
+
+
+def trial_folder(trial) -> str:
+    """The name of ``trial``'s folder in its study's: its ``folder`` attribute (a trial handed back
+    keeps its first's), else ``trial-NNNN``.
+
+    Raises:
+        UserError: the attribute (in the study's database, which others may write to) is not trial-NNNN.
+    """
+    name = trial.user_attrs.get("folder") or trial_folder_name(trial.number)
+    if not is_trial_folder(name):
+        raise UserError(
+            f"trial {trial.number}'s folder is {name!r} in the study's database, not trial-NNNN: something other "
+            "than a sweep wrote it; the trial is failed, not run there."
+        )
+    return name
 
 
 def _storage(op, url: str, attempts: int = 5):

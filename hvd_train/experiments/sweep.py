@@ -179,9 +179,13 @@ class SweepRun:
     def _run(self, trial, slot: Slot) -> None:
         sweep = self.sweep
         params = studies.suggest(trial, sweep)
-        name = trial.user_attrs.get("folder") or studies.trial_folder_name(trial.number)
-        trial.set_user_attr("folder", name)
         shown = ", ".join(f"{k}={_short(v)}" for k, v in params.items())
+        try:
+            name = studies.trial_folder(trial)
+        except UserError as e:
+            self._tell(trial, Outcome("failed", note=str(e)), shown)
+            return
+        trial.set_user_attr("folder", name)
         retry = trial.user_attrs.get("retry_of")
         log.info(
             "trial %d: %s%s",
