@@ -168,3 +168,38 @@ def test_an_elastic_job_refuses_an_output_in_s3():
     with pytest.raises(UserError, match="`--output` is invalid.*rank 0 may change to a host without its staging"):
         config.from_sources(parse(["--data", "d", "--output", "s3://b/runs/x", "--elastic"]))
     assert config.from_sources(parse(["--data", "d", "--output", "s3://b/runs/x"])).run.output == "s3://b/runs/x"
+
+
+def test_a_config_files_default_weight_decay_follows_the_optimizer_the_command_line_gives(tmp_path):
+    """A run_config.yaml records the decay it resolved: its optimizer's default is no choice of the user's."""
+    from hvd_train.config.choices import ADAMW_WEIGHT_DECAY
+
+    def decay(optimizer: str, weight_decay: float, *flags: str) -> float:
+        path = tmp_path / f"{optimizer}-{weight_decay}.yaml"
+        path.write_text(
+            f"data: {{train: d}}\nrun: {{output: o}}\noptim: {{optimizer: {optimizer}, weight_decay: {weight_decay}}}\n"
+        )
+        return config.from_sources(parse(["--config", str(path), *flags])).optim.weight_decay
+
+    assert decay("sgd", 0.0, "--optimizer", "adamw") == ADAMW_WEIGHT_DECAY  # an sgd run's file, now adamw
+    assert decay("adam", 0.0, "--optimizer", "adamw") == ADAMW_WEIGHT_DECAY
+    assert decay("adamw", ADAMW_WEIGHT_DECAY, "--optimizer", "sgd") == 0.0  # an adamw run's, now sgd
+    # A decay chosen (not the file's optimizer's default) is kept; a flag wins.
+    assert decay("adamw", 0.05, "--optimizer", "sgd") == 0.05
+    assert decay("sgd", 0.01, "--optimizer", "adamw") == 0.01
+    assert decay("sgd", 0.0, "--optimizer", "adamw", "--weight-decay", "0.02") == 0.02
+    assert decay("adamw", ADAMW_WEIGHT_DECAY) == ADAMW_WEIGHT_DECAY
+
+
+def test_a_config_files_zero_weight_decay_with_adamw_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "run_config.yaml"
+    path.write_text("data: {train: d}\nrun: {output: o}\noptim: {optimizer: adamw, weight_decay: 0.0}\n")
+    for flags in ([], ["--optimizer", "adamw"]):
+        with pytest.raises(UserError) as refused:
+            config.from_sources(parse(["--config", str(path), *flags]))
+        message = str(refused.value)
+        assert f"config file {path} sets optim.weight_decay 0.0 with the optimizer adamw" in message, message
+        assert "set it > 0 there, or remove it" in message and "leave it out" not in message, message
+    # Given on the command line, the flag is named.
+    with pytest.raises(UserError, match="give --weight-decay > 0, or leave it out"):
+        config.from_sources(parse(["--config", str(path), "--optimizer", "adamw", "--weight-decay", "0"]))

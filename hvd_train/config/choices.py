@@ -243,6 +243,11 @@ class OptimConfig:
     )
 
 
+def default_weight_decay(optimizer: str) -> float:
+    """The weight decay of ``optimizer`` unless one is given: ``ADAMW_WEIGHT_DECAY`` for adamw, else 0."""
+    return ADAMW_WEIGHT_DECAY if optimizer == "adamw" else OptimConfig.weight_decay
+
+
 @dataclass(frozen=True)
 class ComputeConfig:
     """How the model computes.

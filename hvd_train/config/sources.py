@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from hvd_train.config.checks import validate
-from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, TrainConfig
+from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, OptimConfig, TrainConfig, default_weight_decay
 from hvd_train.errors import UserError
 from hvd_train.model import own
 
@@ -90,12 +90,15 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
     """
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     yaml_path = yaml_path or (getattr(args, "config", None) if args else None)
+    in_file: dict[str, Any] = {}
     if yaml_path:
-        _merge(values, read_yaml(yaml_path), yaml_path)
-    for key, value in vars(args or argparse.Namespace()).items():
-        if "." in key:
-            section, name = key.split(".", 1)
-            values[section][name] = value
+        in_file = read_yaml(yaml_path)
+        _merge(values, in_file, yaml_path)
+    flags = {key: value for key, value in vars(args or argparse.Namespace()).items() if "." in key}
+    for key, value in flags.items():
+        section, name = key.split(".", 1)
+        values[section][name] = value
+    _weight_decay_of_the_file(values, in_file.get("optim") or {}, flags, yaml_path)
     cfg = validate(build(values))
     # A model file of the user's own is recorded by its absolute path: predict, export and a resume
     # find it from any folder.
@@ -107,6 +110,41 @@ def from_mapping(loaded: dict[str, Any], where: str) -> TrainConfig:
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     _merge(values, loaded, where)
     return validate(build(values))
+
+
+def _weight_decay_of_the_file(values: dict, in_file: dict, flags: dict, path: str | None) -> None:
+    """A config file's weight decay, read with the optimizer the command line gives.
+
+    A run_config.yaml records the decay its run resolved: its optimizer's
+    default (0, ``ADAMW_WEIGHT_DECAY`` for adamw) when none was chosen. Read
+    with another ``--optimizer``, that default was no choice: it is left out
+    and the new optimizer's applies. Any other decay in the file was chosen
+    and is kept (``lr * weight_decay`` a step with every optimizer).
+    ``--weight-decay`` wins over both.
+
+    Raises:
+        UserError: the file's own 0 would go to adamw (naming the file, not a flag the user did not type).
+    """
+    if not isinstance(in_file, dict) or "weight_decay" not in in_file or "optim.weight_decay" in flags:
+        return
+    was = in_file.get("optimizer", OptimConfig.optimizer)
+    now = values["optim"].get("optimizer", OptimConfig.optimizer)
+    decay = _number(in_file["weight_decay"])
+    if now != was and decay == default_weight_decay(was):
+        del values["optim"]["weight_decay"]
+    elif now == "adamw" and decay == 0:
+        raise UserError(
+            f"config file {path} sets optim.weight_decay {in_file['weight_decay']!r} with the optimizer adamw, "
+            f"which decays weights: set it > 0 there, or remove it for {ADAMW_WEIGHT_DECAY} (Keras's default), or "
+            "use the optimizer adam."
+        )
+
+
+def _number(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):  # not a number: validation names it
+        return None
 
 
 def build(values: dict[str, dict[str, Any]]) -> TrainConfig:
