@@ -107,6 +107,29 @@ def test_a_sweep_over_sgd_and_adamw_gives_adamw_its_default_weight_decay(tmp_pat
     assert decays == [0.0, ADAMW_WEIGHT_DECAY]
 
 
+def test_two_values_that_cannot_go_together_are_refused_however_many_corners_the_spaces_have(tmp_path):
+    """Past 64 combinations of the spaces' corners, each pair of two options' corners is still checked."""
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+
+    search = {
+        "optim.optimizer": ["sgd", "adamw"],
+        "optim.weight_decay": [0.0, 0.01],  # adamw with no decay is refused by train
+        "optim.label_smoothing": {"uniform": [0.0, 0.2]},
+        "optim.momentum": {"uniform": [0.8, 0.95]},
+        "optim.warmup_epochs": {"uniform": [0.0, 2.0]},
+        "data.batch_size": {"int": [8, 32], "step": 8},
+        "run.seed": [1, 2, 3],  # 192 combinations of corners in all
+    }
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search=search)
+    with pytest.raises(UserError) as refused:
+        spec.load(str(path))
+    message = str(refused.value)
+    assert "optim.optimizer='adamw', optim.weight_decay=0.0" in message and "would fail" in message, message
+    del search["optim.weight_decay"]  # and without that pair, none is refused
+    spec.load(str(sweep_file(tmp_path, tmp_path, epochs=1, search=search)))
+
+
 def test_a_held_out_objective_needs_held_out_images(tmp_path):
     path = sweep_file(tmp_path, tmp_path, epochs=1, search={"optim.base_lr": [0.1]})
     spec = yaml.safe_load(path.read_text())
@@ -114,6 +137,16 @@ def test_a_held_out_objective_needs_held_out_images(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     proc = cli(["sweep", path, "--output", tmp_path / "out"])
     assert proc.returncode == 2 and "needs held-out images" in proc.stderr, output_of(proc)
+
+
+@pytest.mark.parametrize("val_split", [[0.2, 0.0], [0.0, 0.2]])
+def test_a_held_out_objective_needs_held_out_images_in_every_trial(tmp_path, val_split):
+    from hvd_train.errors import UserError
+    from hvd_train.experiments import spec
+
+    path = sweep_file(tmp_path, tmp_path, epochs=1, search={"data.val_split": val_split})
+    with pytest.raises(UserError, match=r"needs held-out images: .* \(a trial with data.val_split=0.0 has none\)"):
+        spec.load(str(path))
 
 
 @pytest.mark.parametrize(("epochs", "given", "first"), [(12, 0, 4), (2, 0, 1), (12, 3, 3)])

@@ -41,6 +41,8 @@ LAUNCHERS = ("horovodrun", "mpirun")
 SPACES = ("choices", "uniform", "log_uniform", "int")
 # The numbers of summary.json a sweep may optimize (training/finish.py writes them at a trial's end).
 OBJECTIVES = ("val_accuracy", "val_loss", "val_top5", "images_per_sec", "images_per_sec_first_epoch")
+# Up to this many combinations of the spaces' corners, every one is checked (see _corners).
+ALL_CORNERS = 64
 # Those metrics.csv also has after each epoch, which a trial reports for pruning.
 EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "images_per_sec")
 
@@ -260,25 +262,48 @@ def _check(sweep: Sweep, fail) -> None:
                 f"`first` sets {key}={value!r}, outside its space ({_shown(sweep.search[key])}).",
             )
     _require(bool((sweep.train.get("data") or {}).get("train")), "set the images to train on: train.data.train.")
-    # Every trial's configuration must be one `train` accepts: the corners of each space.
-    cfg = None
+    # Every trial's configuration must be one `train` accepts.
+    for params in [*_corners(sweep), *(dict(entry) for entry in sweep.first)]:
+        cfg = _train_config(sweep, params, fail)
+        if sweep.objective.startswith("val_"):
+            _require(
+                bool(cfg.data.val) or cfg.data.val_split > 0,
+                f"the objective {sweep.objective} needs held-out images: set train.data.val or train.data.val_split"
+                + (f" (a trial with {_params(params)} has none)." if params else "."),
+            )
+
+
+def _corners(sweep: Sweep) -> list[dict[str, Any]]:
+    """The trials whose configurations stand for all the sweep's: every combination of the spaces'
+    corners (each choice; the low and the high of a range) up to ``ALL_CORNERS`` of them, else every
+    corner of each option with every corner of each other (the rest at their first corner).
+
+    Either finds every trial that ``train`` refuses for values of one option or of two that cannot
+    go together (adamw and a weight decay of 0): its checks look at one option or two. Its one check
+    of three (early stopping with no held-out images: run.early_stop, data.val, data.val_split) could
+    be missed only with all three searched.
+    """
+    keys = list(sweep.search)
     corners = [list(_values(s)) if s.kind == "choices" else [s.low, s.high] for s in sweep.search.values()]
-    combos = itertools.product(*corners) if math.prod(map(len, corners)) <= 64 else zip(*corners, strict=False)
-    for combo in combos:
-        cfg = _train_config(sweep, dict(zip(sweep.search, combo)), fail)
-    for entry in sweep.first:
-        _train_config(sweep, dict(entry), fail)
-    assert cfg is not None
-    if sweep.objective.startswith("val_"):
-        _require(
-            bool(cfg.data.val) or cfg.data.val_split > 0,
-            f"the objective {sweep.objective} needs held-out images: set train.data.val or train.data.val_split.",
-        )
+    if math.prod(map(len, corners)) <= ALL_CORNERS:
+        return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*corners)]
+    if len(keys) == 1:  # more than ALL_CORNERS choices of one option
+        return [{keys[0]: value} for value in corners[0]]
+    first = {key: corner[0] for key, corner in zip(keys, corners, strict=True)}
+    found = {}
+    for i, j in itertools.combinations(range(len(keys)), 2):
+        for a, b in itertools.product(corners[i], corners[j]):
+            params = {**first, keys[i]: a, keys[j]: b}
+            found.setdefault(repr(params), params)
+    return list(found.values())
 
 
 def _train_config(sweep: Sweep, params: dict[str, Any], fail) -> TrainConfig:
     try:
         return sources.from_mapping(sweep.trial_config(params, os.path.join("sweep", "trial")), "`train`")
     except UserError as e:
-        shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
-        raise fail(f"a trial with {shown} would fail: {e}") from None
+        raise fail(f"a trial with {_params(params)} would fail: {e}") from None
+
+
+def _params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in params.items())
