@@ -529,6 +529,10 @@ def test_a_new_study_whose_folder_holds_another_studys_trials_is_refused(tmp_pat
     assert f"{tmp_path / 'sw' / 'lr'} holds trials of another study" in message and "\n" not in message, message
     assert f"give --output {tmp_path / 'sw' / 'lr'}" in message, message
     assert optuna.get_all_study_names(f"sqlite:///{tmp_path / 'sw' / 'study.db'}") == []
+    # The other way round: trials of `--output sw --study lr` (its study.db in sw), then --output sw/lr.
+    (tmp_path / "sw" / "lr" / "study.db").unlink()
+    with pytest.raises(UserError, match=f"give --output {tmp_path / 'sw'} --study lr"):
+        studies.open_study(spec.load(str(path)), str(tmp_path / "sw" / "lr"))
 
 
 @pytest.mark.parametrize("written", ["/some/dir", "../..", "trial-0001", "other"])

@@ -70,10 +70,12 @@ def open_study(sweep: Sweep, folder: str):
     shown = redact_url(url)
     try:
         storage = _storage(op, url)
+        # Looked for before the study is: trials another process of it makes meanwhile are then its own.
+        there = _trials_in(name, folder)
         if name not in op.get_all_study_names(storage):
             if name != default_name(folder):
                 _check_folder_name(name, folder)
-            _check_no_other_trials(name, folder)
+            _check_no_other_trials(name, folder, there)
         try:
             study = op.create_study(
                 study_name=name, storage=storage, pruner=_pruner(op, sweep), direction=sweep.direction
@@ -153,24 +155,32 @@ def study_folder(study, folder: str) -> str:
 def _check_folder_name(name: str, folder: str) -> None:
     """A study of a name other than its folder's has a folder of that name in it, which must be one."""
     where = os.path.join(folder, name)
-    if (
-        not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name)
-        or is_trial_folder(name)
-        or (os.path.exists(where) and not os.path.isdir(where))
-    ):
+    if not _is_folder_name(name) or (os.path.exists(where) and not os.path.isdir(where)):
         raise UserError(
             f"the study {name!r} would have its trials in {where}, which cannot be a folder of its own: name "
             "the study with letters, digits, '.', '_' and '-' (not trial-NNNN, nor a file of the sweep's)."
         )
 
 
-def _check_no_other_trials(name: str, folder: str) -> None:
-    """A new study's folder must hold no trials: they would be another study's (its database elsewhere,
-    as a study.db in that folder when it was given as --output), whose checkpoints its trials would take."""
+def _is_folder_name(name: str) -> bool:
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name) is not None and not is_trial_folder(name)
+
+
+def _trials_in(name: str, folder: str) -> list[str]:
+    """The trials' folders in what would be the folder of a study ``name`` (see ``study_folder``)."""
     where = folder if name == default_name(folder) else os.path.join(folder, name)
-    found = sorted(entry for entry in os.listdir(where) if is_trial_folder(entry)) if os.path.isdir(where) else []
-    if not found:
+    if not (name == default_name(folder) or _is_folder_name(name)) or not os.path.isdir(where):
+        return []
+    return sorted(entry for entry in os.listdir(where) if is_trial_folder(entry))
+
+
+def _check_no_other_trials(name: str, folder: str, there: list[str]) -> None:
+    """A new study's folder must hold no trials (``there``): they would be another study's (its database
+    elsewhere, as a study.db in that folder when it was given as --output), whose checkpoints its trials
+    would take."""
+    if not there:
         return
+    where = folder if name == default_name(folder) else os.path.join(folder, name)
     parent = os.path.dirname(os.path.abspath(folder))
     if where != folder and os.path.isfile(os.path.join(where, "study.db")):
         fix = f"to go on with the study there, give --output {where} (and no --study)"
@@ -179,7 +189,7 @@ def _check_no_other_trials(name: str, folder: str) -> None:
     else:
         fix = "give the --output (and `storage`) it was run with, or move those folders away"
     raise UserError(
-        f"{where} holds trials of another study ({found[0]}, ...), not of {name!r} in this sweep's storage: {fix}."
+        f"{where} holds trials of another study ({there[0]}, ...), not of {name!r} in this sweep's storage: {fix}."
     )
 
 
