@@ -6,41 +6,25 @@ test_s3_jobs.py; here, the parts: multipart uploads, manifests, pruning, a faile
 
 import dataclasses
 import hashlib
-import json
 import os
 import re
-import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hvd_train import config
 from hvd_train.compat import keras
 from hvd_train.data.folder import ImageSet
-from hvd_train.data.storage import S3Options
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.model.catalogue import get_spec
 from hvd_train.training import checkpoints, remote, stages
 from hvd_train.training.finish import describe
 from hvd_train.training.job import Job
-from hvd_train.training.state import TrainState
 
 from conftest import HVD_TRAIN, output_of, run
+from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, record_as_the_runs, save, stored
 from s3proxy import CuttingProxy
-
-OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
-
-
-def fresh_prefix(server, monkeypatch) -> tuple[str, str, object]:
-    """A fresh bucket, ``server`` as the process's AWS environment: ``(url, bucket, client)``."""
-    for key, value in server.env.items():
-        monkeypatch.setenv(key, value)
-    bucket = f"run-{uuid.uuid4().hex[:12]}"
-    client = server.client()
-    client.create_bucket(Bucket=bucket)
-    return f"s3://{bucket}/runs/a/", bucket, client
 
 
 @pytest.fixture
@@ -54,40 +38,6 @@ def moto_prefix(s3_server, monkeypatch):
     """A fresh prefix in moto, for keys that rclone's serve s3 will not hold (it keeps each object as a file:
     no key with an empty, '.' or '..' part, no folder marker beside the folder's objects)."""
     return fresh_prefix(s3_server, monkeypatch)
-
-
-def stored(client, bucket, prefix="runs/a/") -> dict[str, str]:
-    """``{path below the prefix: ETag}``."""
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {o["Key"][len(prefix) :]: o["ETag"].strip('"') for page in pages for o in page.get("Contents", [])}
-
-
-def save(staging, step, model, optimizer, keep=2, epoch=0, best_epoch=-1) -> str:
-    """A checkpoint ``step`` steps into epoch ``epoch`` (0: at the end of epoch ``epoch``)."""
-    state = TrainState(seed=1, world_size=1, batch_size=2, global_batch=2, total=8, step=step, epoch_steps=step)
-    state.epoch, state.best_epoch, state.best_score = epoch, best_epoch, 0.5 if best_epoch >= 0 else None
-    rows = {"rows": np.zeros((1, 3), np.float32)}
-    return checkpoints.save(str(staging), checkpoints.name_for(state), model, optimizer, state, rows, {}, keep)
-
-
-def finished_run(staging, url, model, optimizer) -> dict[str, bytes]:
-    """A run trained to its end in ``url``, as a run's outputs stand beside its last checkpoint: its files."""
-    mirror = remote.Mirror(url, str(staging), OPTIONS)
-    mirror.check()  # as a run prepares its output
-    assert mirror.pull() is None
-    outputs = {
-        "labels.json": b'["a", "b", "c"]\n',
-        "run_config.yaml": b"model:\n  name: a-model\n",
-        "model.keras": os.urandom(3000),
-        "metrics.csv": b"epoch,loss\n1,0.5\n",
-        "tensorboard/events": os.urandom(100),
-    }
-    for rel, body in outputs.items():
-        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-        (staging / rel).write_bytes(body)
-    assert mirror.push_checkpoint(save(staging, 0, model, optimizer, epoch=1))
-    mirror.finish({"val_accuracy": 0.5})
-    return {rel: (staging / rel).read_bytes() for rel in [*outputs, "summary.json"]}
 
 
 @pytest.fixture
@@ -235,20 +185,6 @@ def test_credentials_that_cannot_delete_keep_older_checkpoints_and_still_upload_
     assert all(f"checkpoints/{n}/{checkpoints.STATE_FILE}" in keys for n in names) and "summary.json" in keys
     assert "older checkpoints stay in" in caplog.text and "access denied" in caplog.text
     assert "files of an earlier form of the model stay in" in caplog.text and "features.keras" in keys
-
-
-def prefix_checkpoints(client, bucket) -> set[str]:
-    return {k.split("/")[1] for k in stored(client, bucket) if k.startswith("checkpoints/")}
-
-
-def record_as_the_runs(client, bucket, *names: str) -> None:
-    """Checkpoints ``names`` added to the record of the run in ``runs/a/``, as the run adds one it uploads."""
-    from hvd_train.training.prefix import RECORD
-
-    key = f"runs/a/{RECORD}"
-    body = json.loads(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    body["checkpoints"] = sorted({*body["checkpoints"], *names})
-    client.put_object(Bucket=bucket, Key=key, Body=json.dumps(body).encode())
 
 
 def test_keys_that_would_land_outside_the_staging_folder_are_refused_before_anything_is_written(
