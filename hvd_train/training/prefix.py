@@ -1,5 +1,6 @@
-"""The S3 prefix of a run: what it may hold, what of it is the run's, and its files moved to and from the
-staging folder one by one (``Prefix``; what a run does with them is ``remote.Mirror``).
+"""The S3 prefix of a run: what it may hold, and its files moved to and from the staging folder one by one
+(``Prefix``; what a run does with them is ``remote.Mirror``, what of the prefix is the run's is
+``run_record``).
 
 * **Keys are file names of the staging folder.** Whoever may write to the
   prefix chooses its keys; each is checked before anything is downloaded:
@@ -9,97 +10,30 @@ staging folder one by one (``Prefix``; what a run does with them is ``remote.Mir
   a key is refused, named, in one line. Folder markers (empty objects whose
   key ends in ``/``, what the S3 console's "Create folder" makes) are no
   files and are passed over.
-* **The record.** A run keeps in its prefix ``.hvd_train-run.json``: an id
-  drawn when it starts, and every file and checkpoint it uploaded, recorded
-  before the upload begins. It deletes nothing the record does not list
-  (pruned checkpoints, an earlier form of its model), so what others keep
-  beside it survives; and a train refuses a prefix that holds objects but
-  no record, unless they are a run written before records were kept.
-* **The staging folder's copy** of the record's id says whose checkpoints it
-  holds: a checkpoint of the staging folder is uploaded on resume only when
-  it is of the run the prefix holds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import random
 import shutil
 import time
-import uuid
 
 from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.training import run_record
+from hvd_train.training.run_record import CHECKPOINTS, RECORD, bad_part, checkpoints
 
 log = get_logger("output")
 
-CHECKPOINTS = "checkpoints/"
 SUMMARY = "summary.json"
 # Files larger than this go up in parts of this size, four at a time.
 PART_BYTES = 16 << 20
 _BACKOFF_BASE, _BACKOFF_CAP = 0.5, 20.0
-
-RECORD = ".hvd_train-run.json"
-FORMAT = "hvd_train.run-in-s3"
-VERSION = 1
-# Keys of the prefix that are no object of anyone's: the write test of an earlier hvd_train's check that
-# died before its delete.
-_PROBE = ".write-test-"
-# What a run writes from its first epoch on: a prefix holding one of these, and no record, is a run
-# written before records were kept.
-_EARLIER_RUN = ("run_config.yaml", "summary.json")
-
-
-@dataclasses.dataclass
-class Record:
-    """What a run uploaded to its prefix.
-
-    Attributes:
-        run: drawn when the run starts (a fresh prefix, or ``--no-resume``); the same on every resume.
-        files: paths below the prefix of the files it uploaded outside ``checkpoints/``.
-        checkpoints: names of the checkpoints it uploaded, whole or in part.
-    """
-
-    run: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    files: set[str] = dataclasses.field(default_factory=set)
-    checkpoints: set[str] = dataclasses.field(default_factory=set)
-
-    def to_bytes(self) -> bytes:
-        body = {
-            "format": FORMAT,
-            "version": VERSION,
-            "run": self.run,
-            "files": sorted(self.files),
-            "checkpoints": sorted(self.checkpoints),
-        }
-        return (json.dumps(body, indent=1) + "\n").encode()
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> Record:
-        """The record in ``data`` (the object ``where``).
-
-        Raises:
-            UserError: it is not a record this hvd_train reads.
-        """
-        try:
-            body = json.loads(data)
-            if body.get("format") != FORMAT or body.get("version") != VERSION:
-                raise ValueError(f"not a {FORMAT} of version {VERSION}")
-            record = cls(str(body["run"]), set(body["files"]), set(body["checkpoints"]))
-            for rel in [*record.files, *record.checkpoints]:
-                if not isinstance(rel, str) or _bad_part(rel):
-                    raise ValueError(f"it lists {rel!r}")
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(
-                f"{where} is not the record of an hvd_train run ({e}); if the prefix holds nothing but that run, "
-                f"delete it (the run's files stay and are kept from then on), or give --output another prefix."
-            ) from None
-        return record
 
 
 def checked(listed: dict[str, tuple[int, str]], url: str, staging: str) -> dict[str, tuple[int, str]]:
@@ -114,7 +48,7 @@ def checked(listed: dict[str, tuple[int, str]], url: str, staging: str) -> dict[
     found = {rel: value for rel, value in listed.items() if rel and not rel.endswith("/")}  # folder markers
     folders = {rel[:i] for rel in found for i, c in enumerate(rel) if c == "/"}
     for rel in sorted(found):
-        why = _bad_part(rel)
+        why = bad_part(rel)
         if why:
             raise UserError(
                 f"S3 key {url}{rel} {why}, which would put its file outside the staging folder {staging}; "
@@ -128,51 +62,12 @@ def checked(listed: dict[str, tuple[int, str]], url: str, staging: str) -> dict[
     return found
 
 
-def _bad_part(rel: str) -> str:
-    """Why ``rel`` cannot be a relative path inside a folder ("" when it can)."""
-    if "\0" in rel:
-        return "holds a NUL character"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        return "has an empty, '.' or '..' part"
-    return ""
-
-
 def inside(staging: str, rel: str) -> str:
     """The path of ``rel`` (a key ``checked`` passed) in ``staging``; checked again where it is written."""
     path = os.path.normpath(os.path.join(staging, rel))
     if os.path.commonpath([os.path.abspath(staging), os.path.abspath(path)]) != os.path.abspath(staging):
         raise UserError(f"{rel} would be written outside the staging folder {staging}; check the prefix's keys.")
     return path
-
-
-def foreign(keys, url: str) -> UserError | None:
-    """Why a train must not write to the prefix ``url`` that holds ``keys`` and no record; None where it may.
-
-    It may when the prefix holds nothing (but folder markers and stale write tests) or a run written before
-    records were kept: ``run_config.yaml`` or ``summary.json`` at its top (a run uploads the first with its
-    first checkpoint).
-    """
-    objects = sorted(rel for rel in keys if not rel.startswith(_PROBE))
-    if not objects or any(rel in _EARLIER_RUN for rel in objects):
-        return None
-    shown = ", ".join(objects[:3]) + (", ..." if len(objects) > 3 else "")
-    return UserError(
-        f"--output {url} holds {len(objects)} object(s) that are not an hvd_train run's ({shown}; no {RECORD}): "
-        f"a run deletes from its prefix what it no longer needs, so it writes only to an empty prefix or one of "
-        f"its own; give --output a prefix of its own, e.g. {url}hvd-run/."
-    )
-
-
-def read_staged(staging: str) -> str | None:
-    """The run id of the staging folder's checkpoints (its copy of the record), or None."""
-    copy = files.read_json(os.path.join(staging, RECORD), {})
-    return copy.get("run") if isinstance(copy, dict) else None
-
-
-def mark_staged(staging: str, record: Record) -> None:
-    """The staging folder's checkpoints are of ``record``'s run."""
-    os.makedirs(staging, exist_ok=True)
-    files.write_json(os.path.join(staging, RECORD), {"run": record.run})
 
 
 @dataclasses.dataclass
@@ -184,18 +79,6 @@ class Uploads:
     seconds: float = 0.0
     retried: int = 0
     failed_checkpoints: int = 0
-
-
-class _Checkpoints:
-    """``training.checkpoints``, imported when first used: ``stage`` runs before TensorFlow may load."""
-
-    def __getattr__(self, name: str):
-        from hvd_train.training import checkpoints as module
-
-        return getattr(module, name)
-
-
-checkpoints = _Checkpoints()
 
 
 class Prefix:
@@ -212,7 +95,7 @@ class Prefix:
         self.uploaded = ""  # the name of the last checkpoint that went up
         self._store: storage.S3Store | None = None
         self._sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) as uploaded or downloaded
-        self._record: Record | None = None
+        self._record: run_record.Record | None = None
         self._record_put = b""  # the record as the prefix holds it
         self._staged_run: str | None = None  # whose checkpoints the staging folder held when the record was read
 
@@ -228,7 +111,7 @@ class Prefix:
         return checked(self.store.list_with_etags("--output"), self.url, self.staging)
 
     @property
-    def record(self) -> Record:
+    def record(self) -> run_record.Record:
         """The run's record (read from the prefix once; a new one where it holds none)."""
         if self._record is None:
             self._load_record(self._keys())
@@ -237,12 +120,12 @@ class Prefix:
     def _load_record(self, keys) -> bool:
         """Reads the prefix's record; returns whether it holds one. A run written before records were kept
         is given one that lists its checkpoints."""
-        self._staged_run = read_staged(self.staging)
+        self._staged_run = run_record.read_staged(self.staging)
         if RECORD in keys:
             data = self.store.read(RECORD)
-            self._record, self._record_put = Record.parse(data, f"{self.url}{RECORD}"), data
+            self._record, self._record_put = run_record.Record.parse(data, f"{self.url}{RECORD}"), data
             return True
-        self._record = Record(checkpoints=self._checkpoint_names(keys)[1])
+        self._record = run_record.Record(checkpoints=self._checkpoint_names(keys)[1])
         return False
 
     def _checkpoint_names(self, keys) -> tuple[list[str], set[str]]:

@@ -23,9 +23,9 @@ uploads what changed there at every checkpoint, and everything at the end.
   folder holds a newer intact checkpoint of the same run (its upload failed:
   an outage) does that one go up, with the outputs waiting beside it, and the
   run go on from it.
-* A prefix holds the run alone (``prefix``): its keys must be file names of
-  the staging folder, and the run deletes only what its record says it
-  uploaded; a train refuses a prefix that holds something else.
+* A prefix holds the run alone (``prefix``, ``run_record``): its keys must be
+  file names of the staging folder, and the run deletes only what its record
+  says it uploaded; a train refuses a prefix that holds something else.
 * Large files go up as multipart uploads (boto3's transfer manager).
   ``summary.json`` counts the uploads (``output_uploads``) and is uploaded
   last: the prefix holds a finished run once it is there.
@@ -44,7 +44,7 @@ from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.training import prefix
+from hvd_train.training import prefix, run_record
 from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY, checkpoints  # noqa: F401  (PART_BYTES: tests)
 
 log = get_logger("output")
@@ -109,7 +109,7 @@ class Mirror(prefix.Prefix):
         before records were kept), and can be written (its record is); or a ``UserError`` that says why."""
         keys = self._keys()
         if not self._load_record(keys):
-            refused = prefix.foreign(keys, self.url)
+            refused = run_record.foreign(keys, self.url)
             if refused is not None:
                 raise refused
         self._put_record(force=True)
@@ -149,7 +149,7 @@ class Mirror(prefix.Prefix):
             if os.path.basename(path) not in keep:
                 log.info("removing %s from the staging folder: %s has no complete copy of it", path, self.url)
                 shutil.rmtree(path, ignore_errors=True)
-        prefix.mark_staged(self.staging, self.record)
+        run_record.mark_staged(self.staging, self.record)
         if chosen is None:
             shutil.rmtree(checkpoints.folder(self.staging), ignore_errors=True)
             return None
@@ -181,7 +181,7 @@ class Mirror(prefix.Prefix):
                 ", ".join(strays),
                 self.url,
                 CHECKPOINTS,
-                prefix.RECORD,
+                run_record.RECORD,
             )
         return [name for name in complete if name in self.record.checkpoints]
 
@@ -271,7 +271,7 @@ class Mirror(prefix.Prefix):
             changed = self._changed()
             self._note(changed, name)
             if self._staged_run != self.record.run:  # the staging folder's checkpoints are of this run
-                prefix.mark_staged(self.staging, self.record)
+                run_record.mark_staged(self.staging, self.record)
                 self._staged_run = self.record.run
             for rel in changed:
                 self._upload(os.path.join(self.staging, rel), rel)
@@ -315,9 +315,9 @@ class Mirror(prefix.Prefix):
         mine = sorted(names & self.record.checkpoints)
         for name in mine:
             self._delete_checkpoint(name, keys)
-        self._record = prefix.Record(files=self.record.files)
+        self._record = run_record.Record(files=self.record.files)
         self._put_record()
-        prefix.mark_staged(self.staging, self.record)
+        run_record.mark_staged(self.staging, self.record)
         self._staged_run = self.record.run
         return len(mine)
 
