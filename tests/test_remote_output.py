@@ -6,6 +6,7 @@ test_s3_jobs.py; here, the parts: multipart uploads, manifests, pruning, a faile
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -326,3 +327,30 @@ def test_report_reads_a_run_in_s3_through_the_endpoint_it_is_given(moto_prefix, 
     proc = run([*HVD_TRAIN, "report", url, "--s3-endpoint", s3_server.url], HVD_TRAIN_CACHE=str(tmp_path / "c"))
     assert proc.returncode == 0, output_of(proc)
     assert "report.html" in stored(client, bucket)
+
+
+def test_a_manifest_from_the_prefix_that_names_files_outside_its_checkpoint_makes_it_damaged(
+    prefix, net, tmp_path, caplog
+):
+    # state.json is the manifest: a planted one that names /abs/path or ../../x would have verify() read any
+    # file of the machine (and take the checkpoint for complete where that file matches). save() writes plain
+    # names; anything else makes the checkpoint damaged, and the resume passes over it.
+    url, bucket, client = prefix
+    model, optimizer = net
+    mirror = remote.Mirror(url, str(tmp_path / "one"), OPTIONS)
+    mirror.check()
+    good = os.path.basename(save(tmp_path / "one", 1, model, optimizer))
+    assert mirror.push_checkpoint(str(tmp_path / "one" / "checkpoints" / good))
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a file of the machine")
+    manifest = json.loads((tmp_path / "one" / "checkpoints" / good / checkpoints.STATE_FILE).read_bytes())
+    # The download folder is two/checkpoints/.NAME.download-PID: three levels below tmp_path.
+    planted = {"epoch-0008": str(secret), "epoch-0009": "../../../secret"}
+    for name, rel in planted.items():
+        body = {**manifest, "files": {rel: checkpoints._digest(str(secret))}}
+        body["checksum"] = checkpoints._body_checksum(body)
+        client.put_object(Bucket=bucket, Key=f"runs/a/checkpoints/{name}/state.json", Body=json.dumps(body).encode())
+    record_as_the_runs(client, bucket, *planted)
+    assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == good
+    for name, rel in planted.items():
+        assert f"{name}: state.json names {rel!r}, which is no file of a checkpoint's folder" in caplog.text

@@ -242,6 +242,9 @@ READ_RETRIES = (0.5, 1.0, 2.0)
 def verify(path: str) -> Found:
     """Reads ``state.json``, checks its own checksum and every file against its size and CRC32C.
 
+    The files it names must be plain names in ``path`` (as ``save`` writes them): a manifest that came from
+    elsewhere (an S3 prefix) and names ``../x`` or ``/etc/x`` makes the checkpoint damaged, read no further.
+
     Raises:
         ValueError: the checkpoint is incomplete, damaged or unreadable (why, in words).
     """
@@ -260,6 +263,8 @@ def verify(path: str) -> Found:
         raise ValueError("state.json is damaged (its checksum does not match its contents)")
     try:
         for rel, want in body["files"].items():
+            if not _plain_name(rel):  # save() writes plain names; a manifest from elsewhere may name any path
+                raise ValueError(f"state.json names {rel!r}, which is no file of a checkpoint's folder")
             file = os.path.join(path, rel)
             if not os.path.isfile(file):
                 raise ValueError(f"{rel} is missing")
@@ -276,6 +281,11 @@ def verify(path: str) -> Found:
         raise ValueError(f"state.json lacks or garbles {e}") from None
     skip = ("format", "version", "state", "files", "checksum")
     return Found(path, state, {k: v for k, v in body.items() if k not in skip})
+
+
+def _plain_name(rel) -> bool:
+    """Whether ``rel`` names a file in the folder itself: no separator, not ``.`` or ``..``, not empty."""
+    return isinstance(rel, str) and rel not in ("", ".", "..") and not any(c in rel for c in ("/", "\\", "\0"))
 
 
 def latest(output: str, set_aside: bool = False) -> Found | None:
