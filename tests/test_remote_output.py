@@ -22,6 +22,7 @@ from hvd_train.model.catalogue import get_spec
 from hvd_train.training import checkpoints, remote, stages
 from hvd_train.training.finish import describe
 from hvd_train.training.job import Job
+from hvd_train.training.run_record import RECORD
 
 from conftest import HVD_TRAIN, output_of, run
 from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, record_as_the_runs, save, stored
@@ -354,3 +355,68 @@ def test_a_manifest_from_the_prefix_that_names_files_outside_its_checkpoint_make
     assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == good
     for name, rel in planted.items():
         assert f"{name}: state.json names {rel!r}, which is no file of a checkpoint's folder" in caplog.text
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_copy_in_the_staging_folder_is_downloaded_again_and_never_costs_the_prefix_its_checkpoints(
+    prefix, net, tmp_path, monkeypatch
+):
+    # The staging folder's copy of the checkpoint to resume from has the prefix's manifest, but a file of it
+    # rotted on disk: it is downloaded again. Were it trusted, the resume would set it aside, find no other
+    # (the pull removes them), start over, and its first upload would prune the prefix's good checkpoints.
+    url, bucket, client = prefix
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    model, optimizer = net
+    values = {"data": {"train": str(tmp_path / "images")}, "run": {"output": url}}
+    cfg = remote.stage(config.build(values))
+    staging = Path(cfg.run.output)
+    stages.prepare_output(cfg, Context())
+    mirror = remote.of(cfg.run.output)
+    names = []
+    for epoch in (1, 2, 3):
+        names.append(os.path.basename(save(staging, 0, model, optimizer, keep=2, epoch=epoch)))
+        assert mirror.push_checkpoint(str(staging / "checkpoints" / names[-1]))
+    flip_a_byte(staging / "checkpoints" / names[-1] / checkpoints.LOCAL_FILE)
+    cfg = remote.stage(config.build(values))  # the same command again, on the same machine
+    stages.prepare_output(cfg, Context())
+    found = remote.latest_checkpoint(cfg.run.output)
+    assert found is not None and os.path.basename(found.path) == names[-1]
+    assert prefix_checkpoints(client, bucket) == set(names[1:])
+    # And should the copy the pull took fail to verify when the run restores it (a disk that fails under
+    # it), the run stops, naming it, rather than start over: the prefix keeps its checkpoints.
+    flip_a_byte(staging / "checkpoints" / names[-1] / checkpoints.LOCAL_FILE)
+    with pytest.raises(UserError, match=f"checkpoint {names[-1]} of {re.escape(url)} did not verify") as e:
+        remote.latest_checkpoint(cfg.run.output)
+    assert "\n" not in str(e.value)
+    assert prefix_checkpoints(client, bucket) == set(names[1:])
+
+
+def test_a_staging_folder_of_an_earlier_hvd_train_keeps_what_an_outage_kept_back(prefix, net, tmp_path):
+    # An earlier hvd_train kept no record, in the prefix or in the staging folder. Its staging folder, caught
+    # in an outage, holds a checkpoint the prefix lacks: it is the run's, as the checkpoint before it is in
+    # the prefix byte for byte, and goes up. A staging folder that shares no checkpoint with the prefix
+    # (another run's) keeps none of its own.
+    url, bucket, client = prefix
+    model, optimizer = net
+    staging, other = tmp_path / "one", tmp_path / "other"
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    staging.mkdir()
+    (staging / "run_config.yaml").write_text("model:\n  name: a-model\n")
+    for epoch in (1, 2):
+        assert mirror.push_checkpoint(save(staging, 0, model, optimizer, keep=3, epoch=epoch))
+    kept_back = os.path.basename(save(staging, 0, model, optimizer, keep=3, epoch=3))
+    save(other, 0, model, optimizer, keep=3, epoch=1)
+    save(other, 0, model, optimizer, keep=3, epoch=4)
+    client.delete_object(Bucket=bucket, Key=f"runs/a/{RECORD}")
+    (staging / RECORD).unlink()
+    assert remote.Mirror(url, str(other), OPTIONS).pull() == "epoch-0002"
+    assert not (other / "checkpoints" / "epoch-0004").exists()
+    again = remote.Mirror(url, str(staging), OPTIONS)
+    again.check()
+    assert again.pull() == kept_back
+    assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in stored(client, bucket)

@@ -157,13 +157,8 @@ class Prefix:
         """Checkpoint ``name`` of the prefix into the staging folder, verified; returns the bytes downloaded."""
         root = checkpoints.folder(self.staging)
         local = os.path.join(root, name)
-        manifest = self.store.read(f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}")
-        try:
-            with open(os.path.join(local, checkpoints.STATE_FILE), "rb") as f:
-                if f.read() == manifest:
-                    return 0  # the staging folder's copy; restoring it verifies it again
-        except OSError:
-            pass
+        if self._staged_copy(name, local):
+            return 0
         tmp = os.path.join(root, f".{name}.download-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         parts = [rel for rel in keys if rel.startswith(f"{CHECKPOINTS}{name}/")]
@@ -176,6 +171,27 @@ class Prefix:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return sum(keys[rel][0] for rel in parts)
+
+    def _same_manifest(self, name: str, local: str) -> bool:
+        """Whether the checkpoint folder ``local`` holds the manifest of the prefix's checkpoint ``name``."""
+        manifest = self.store.read(f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}")
+        try:
+            with open(os.path.join(local, checkpoints.STATE_FILE), "rb") as f:
+                return f.read() == manifest
+        except OSError:
+            return False
+
+    def _staged_copy(self, name: str, local: str) -> bool:
+        """Whether the staging folder holds checkpoint ``name`` as the prefix does: the same manifest, and its
+        files as the manifest says (a copy damaged on disk is downloaded again)."""
+        if not self._same_manifest(name, local):
+            return False
+        try:
+            checkpoints.verify(local)
+        except ValueError as e:
+            log.warning("the staging folder's copy of checkpoint %s is damaged (%s): downloading it again", name, e)
+            return False
+        return True
 
     def _download(self, rel: str, path: str, record: bool = True) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -18,11 +18,13 @@ uploads what changed there at every checkpoint, and everything at the end.
   the run ends with an error naming the staging folder that holds them.
 * The prefix is the run: a resume takes the newest checkpoint complete
   there, verified against its manifest, downloaded unless the staging folder
-  holds it (another machine, a deleted disk), and the files beside it; with
-  ``--early-stop``, the best epoch's checkpoint too. Only where the staging
-  folder holds a newer intact checkpoint of the same run (its upload failed:
-  an outage) does that one go up, with the outputs waiting beside it, and the
-  run go on from it.
+  holds it intact (another machine, a deleted disk, a damaged copy), and the
+  files beside it; with ``--early-stop``, the best epoch's checkpoint too.
+  Only where the staging folder holds a newer intact checkpoint of the same
+  run (its upload failed: an outage) does that one go up, with the outputs
+  waiting beside it, and the run go on from it. The resume restores the
+  checkpoint the pull took or stops (``latest_checkpoint``): a run that
+  started over would prune the prefix's checkpoints with its first upload.
 * A prefix holds the run alone (``prefix``, ``run_record``): its keys must be
   file names of the staging folder, and the run deletes only what its record
   says it uploaded; a train refuses a prefix that holds something else.
@@ -100,9 +102,29 @@ def open_run(path: str, options: storage.S3Options | None = None) -> tuple[str, 
     return mirror.staging, mirror
 
 
+def latest_checkpoint(output: str) -> checkpoints.Found | None:
+    """The checkpoint a resume starts from: the newest intact one of ``output`` (damaged ones set aside). For a
+    run in S3, the one ``Mirror.pull`` took from the prefix, or an error: a run that started over instead
+    would delete the prefix's checkpoints with its first upload.
+
+    Raises:
+        UserError: the checkpoint the prefix holds did not verify in the staging folder after its download.
+    """
+    found, mirror = checkpoints.latest(output, set_aside=True), of(output)
+    if mirror is not None and mirror.pulled and (found is None or os.path.basename(found.path) != mirror.pulled):
+        raise UserError(
+            f"checkpoint {mirror.pulled} of {mirror.url} did not verify in the staging folder {output} after its "
+            f"download (see the warning above; it is set aside): nothing in the prefix changed; rerun the same "
+            f"command to download it again, and check that disk if it recurs."
+        )
+    return found
+
+
 class Mirror(prefix.Prefix):
     """What a run in S3 does with its prefix: checks it, resumes from it, uploads its checkpoints and outputs,
     prunes and deletes what it no longer needs; used by rank 0 only."""
+
+    pulled: str | None = None  # the checkpoint ``pull`` took, which the resume must restore
 
     def check(self) -> None:
         """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
@@ -128,9 +150,11 @@ class Mirror(prefix.Prefix):
         if self._record is None:
             self._load_record(keys)
         complete = self._complete(keys)
+        self._adopt_earlier_staging(complete)
         ahead = self._ahead(complete)
         if ahead is not None:
-            return self._push_ahead(ahead, keys, complete)
+            self.pulled = self._push_ahead(ahead, keys, complete)
+            return self.pulled
         started, fetched, chosen = time.perf_counter(), 0, None
         for name in complete:
             try:
@@ -150,6 +174,7 @@ class Mirror(prefix.Prefix):
                 log.info("removing %s from the staging folder: %s has no complete copy of it", path, self.url)
                 shutil.rmtree(path, ignore_errors=True)
         run_record.mark_staged(self.staging, self.record)
+        self.pulled = chosen
         if chosen is None:
             shutil.rmtree(checkpoints.folder(self.staging), ignore_errors=True)
             return None
@@ -184,6 +209,26 @@ class Mirror(prefix.Prefix):
                 run_record.RECORD,
             )
         return [name for name in complete if name in self.record.checkpoints]
+
+    def _adopt_earlier_staging(self, complete: list[str]) -> None:
+        """A staging folder without a copy of the record (an earlier hvd_train's) is of the prefix's run where
+        one of its checkpoints is complete in the prefix with the same manifest, byte for byte (its time and
+        checksums are no other run's): its newer checkpoints, which an outage kept back, are the run's too."""
+        if self._staged_run is not None:
+            return
+        for path in checkpoints.candidates(self.staging):
+            name = os.path.basename(path)
+            if name not in complete or not self._same_manifest(name, path):
+                continue
+            log.info(
+                "the staging folder %s holds checkpoint %s as %s does: its checkpoints are of this run",
+                self.staging,
+                name,
+                self.url,
+            )
+            run_record.mark_staged(self.staging, self.record)
+            self._staged_run = self.record.run
+            return
 
     def _ahead(self, complete: list[str]) -> checkpoints.Found | None:
         """The staging folder's newest intact checkpoint where it is of the prefix's run and newer than every

@@ -64,7 +64,7 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
         mirror = remote.of(out)
         if mirror is not None:
             mirror.check()
-            if cfg.run.resume:
+            if cfg.run.resume:  # names the checkpoint that start_state must restore (remote.latest_checkpoint)
                 mirror.pull()
             else:  # the checkpoints go once training starts, the model beside them with the new run's end
                 mirror.pull_outputs()
@@ -215,7 +215,7 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
             if removed:
                 log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
             return None
-        found = checkpoints.latest(out, set_aside=True)
+        found = remote.latest_checkpoint(out)
         if found is None:
             return None
         _check_same_recipe(job, found)
