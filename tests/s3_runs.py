@@ -9,7 +9,7 @@ import numpy as np
 
 from hvd_train.data.storage import S3Options
 from hvd_train.training import checkpoints, remote
-from hvd_train.training.prefix import RECORD
+from hvd_train.training.run_record import RECORD
 from hvd_train.training.state import TrainState
 
 OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)

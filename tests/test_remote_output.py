@@ -52,9 +52,21 @@ def net():
 def test_the_staging_folder_is_named_after_the_prefix_and_odd_prefixes_are_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path))
     assert remote.staging_folder("s3://b/runs/x/") == str(tmp_path / "runs" / "b" / "runs" / "x")
-    for url in ("s3://b", "s3://b/", "s3://b/runs//x", "s3://b/runs/../x", "s3:///runs/x"):
-        with pytest.raises(UserError, match="must name a bucket and a prefix"):
+    # Two stores may each hold a bucket of one name: --s3-endpoint's host and port come first, with a ':' that
+    # no bucket's name holds. The commands that read a run keep their copy apart from a training's.
+    assert remote.staging_folder("s3://b/x", "http://127.0.0.1:9000") == str(tmp_path / "runs/127.0.0.1:9000/b/x")
+    assert remote.staging_folder("s3://b/x", "https://minio.example") == str(tmp_path / "runs/minio.example:443/b/x")
+    assert remote.staging_folder("s3://b/x", kind="read") == str(tmp_path / "read" / "b" / "x")
+    # The bucket is a folder's name too: "s3://../x" would stage in $HVD_TRAIN_CACHE/x, outside runs/.
+    odd = ("s3://b", "s3://b/", "s3://b/runs//x", "s3://b/runs/../x", "s3:///runs/x", "s3://../x", "s3://./x")
+    for url in (*odd, "s3://b:9000/x", "s3://b c/x"):
+        with pytest.raises(UserError, match=f"^--output {re.escape(url)} must name a bucket and a prefix"):
             remote.staging_folder(url)
+    # urlsplit would take "#frag/x" for a fragment and "?x" for a query, and cut the prefix short.
+    for url in ("s3://b/r#frag/x", "s3://b/r?v=1/x", "s3://b#/r"):
+        with pytest.raises(UserError, match=f"^--model-dir {re.escape(url)} holds a '\\?' or '#'") as e:
+            remote.staging_folder(url, flag="--model-dir")
+        assert "\n" not in str(e.value)
 
 
 def test_checkpoints_go_up_manifest_last_are_pruned_and_a_rerun_uploads_what_an_outage_kept_back(
@@ -193,8 +205,10 @@ def test_keys_that_would_land_outside_the_staging_folder_are_refused_before_anyt
     moto_prefix, net, tmp_path, monkeypatch
 ):
     # Whoever may write to the prefix chooses its keys: an empty part makes the rest of a key an absolute
-    # path, '..' climbs out of the folder. A resume and the commands that read a run refuse such a key,
-    # naming it, before they write anything.
+    # path, '..' climbs out of the folder, a part longer than a file name may be cannot be written (with the
+    # room its temporary name takes). A resume and the commands that read a run refuse such a key, naming
+    # it, before they write anything; one that the disk cannot hold all the same (a path longer than 4096
+    # bytes) stops them at its download, named, in one line too.
     url, bucket, client = moto_prefix
     monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
     finished_run(tmp_path / "one", url, *net)
@@ -205,6 +219,8 @@ def test_keys_that_would_land_outside_the_staging_folder_are_refused_before_anyt
         (f"checkpoints/{name}/../../../outside/planted", None),
         ("tensorboard/./events", None),
         ("labels.json/planted", "labels.json"),  # a file and a folder of one name
+        ("x" * 300, None),
+        ("/".join(["y" * 140] * 30), None),
     ):
         key = f"runs/a/{rel}"
         client.put_object(Bucket=bucket, Key=key, Body=b"planted")
@@ -420,3 +436,15 @@ def test_a_staging_folder_of_an_earlier_hvd_train_keeps_what_an_outage_kept_back
     again.check()
     assert again.pull() == kept_back
     assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in stored(client, bucket)
+
+
+def test_a_symbolic_link_in_the_staging_folder_leads_no_download_out_of_it(prefix, net, tmp_path):
+    url, bucket, client = prefix
+    finished_run(tmp_path / "one", url, *net)
+    outside, staging = tmp_path / "outside", tmp_path / "two"
+    outside.mkdir()
+    staging.mkdir()
+    (staging / "tensorboard").symlink_to(outside)  # made by hand, or by a tool that links logs elsewhere
+    with pytest.raises(UserError, match=r"^tensorboard/events would be written outside the staging folder .*link"):
+        remote.Mirror(url, str(staging), OPTIONS).pull()
+    assert list(outside.iterdir()) == []

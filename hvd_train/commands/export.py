@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
     # A run in S3: its local copy; the export is uploaded beside it.
-    args.run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint))
+    args.run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint), "RUN_DIR")
     trained = load_trained(args.run_dir)
     summary = read_json(os.path.join(args.run_dir, "summary.json"), {})
     folder = args.output or os.path.join(args.run_dir, "export")

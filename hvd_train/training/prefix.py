@@ -1,15 +1,27 @@
-"""The S3 prefix of a run: what it may hold, and its files moved to and from the staging folder one by one
-(``Prefix``; what a run does with them is ``remote.Mirror``, what of the prefix is the run's is
-``run_record``).
+"""The S3 prefix of a run and its staging folder, file by file (``Prefix``; what a run does with them is
+``remote.Mirror``, what of the prefix is the run's is ``run_record``).
 
+* **The staging folder** is named after the prefix,
+  ``$HVD_TRAIN_CACHE/runs/[HOST:PORT/]BUCKET/PREFIX`` (the host of
+  ``--s3-endpoint``: two stores may each hold a bucket of one name); the
+  commands that read a run keep their copy in ``read/`` instead, apart from
+  a training's. A bucket is a folder's name too, so it is checked, and a
+  ``?`` or ``#`` (which would cut the prefix short) refused.
 * **Keys are file names of the staging folder.** Whoever may write to the
   prefix chooses its keys; each is checked before anything is downloaded:
   one with an empty, ``.`` or ``..`` part (``run//home/u/.bashrc``,
   ``run/checkpoints/epoch-0001/../../x``) would land outside the staging
-  folder, and one that is a file and a folder at once cannot be either. Such
-  a key is refused, named, in one line. Folder markers (empty objects whose
-  key ends in ``/``, what the S3 console's "Create folder" makes) are no
-  files and are passed over.
+  folder, one with a part longer than a file name may be cannot be written,
+  and one that is a file and a folder at once cannot be either. Such a key
+  is refused, named, in one line. Folder markers (empty objects whose key
+  ends in ``/``, what the S3 console's "Create folder" makes) are no files
+  and are passed over; so are the keys of another run below the prefix.
+* **Paths stay inside.** Every file downloaded is written where its real
+  path (symbolic links followed) is inside the staging folder; one that
+  cannot be written at all is an error naming its key.
+* **Another staging folder inside this one** (a run of a prefix below, or a
+  copy of a command that reads one), marked by its copy of a record, is not
+  this run's: it is neither uploaded nor removed.
 """
 
 from __future__ import annotations
@@ -18,8 +30,10 @@ import contextlib
 import dataclasses
 import os
 import random
+import re
 import shutil
 import time
+import urllib.parse
 
 from hvd_train import files
 from hvd_train.data import storage
@@ -36,23 +50,64 @@ PART_BYTES = 16 << 20
 _BACKOFF_BASE, _BACKOFF_CAP = 0.5, 20.0
 
 
+# A bucket's name as a folder's: what S3 and the stores like it allow, and never "." or "..".
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: str = "runs") -> str:
+    """The local folder the run in the S3 prefix ``url`` is staged in: ``$HVD_TRAIN_CACHE/runs/BUCKET/PREFIX``,
+    with ``HOST:PORT/`` before the bucket for a store at ``endpoint`` (``--s3-endpoint``: two stores may each
+    hold a bucket of one name). ``kind``: ``runs`` for a training's, ``read`` for a copy of the commands that
+    read a run, which never rewrites a training's staging folder.
+
+    Raises:
+        UserError: ``url`` (the value of ``flag``) names no bucket and prefix that a folder can be named after.
+    """
+    parts = urllib.parse.urlsplit(url)
+    segments = parts.path.strip("/").split("/")
+    shown = storage.redact_url(url)
+    if "?" in url or "#" in url:
+        raise UserError(
+            f"{flag} {shown} holds a '?' or '#', which would cut the prefix short; name the prefix without "
+            "them, e.g. s3://my-bucket/runs/flowers."
+        )
+    bucket = parts.netloc
+    if (
+        not _BUCKET.fullmatch(bucket)
+        or bucket in (".", "..")
+        or not parts.path.strip("/")
+        or any(s in ("", ".", "..") for s in segments)
+    ):
+        raise UserError(
+            f"{flag} {shown} must name a bucket and a prefix: a bucket of letters, digits, '.', '-' or '_', a "
+            "prefix without empty, '.' or '..' parts, e.g. s3://my-bucket/runs/flowers."
+        )
+    store = []
+    if endpoint:
+        at = urllib.parse.urlsplit(endpoint)
+        store = [f"{at.hostname or 'endpoint'}:{at.port or (443 if at.scheme == 'https' else 80)}"]
+    return os.path.join(files.cache_base(), kind, *store, bucket, *segments)
+
+
 def checked(listed: dict[str, tuple[int, str]], url: str, staging: str) -> dict[str, tuple[int, str]]:
-    """The objects of a listing of ``url`` that are files, each with a path inside ``staging``.
+    """The objects of a listing of ``url`` that are files of its run, each with a path inside ``staging``:
+    folder markers, and the keys of another run below the prefix (``run_record.nested_runs``), left out.
 
     Args:
         listed: ``{key below the prefix: (size, ETag)}``.
 
     Raises:
-        UserError: a key would land outside the staging folder, or is a file and a folder at once.
+        UserError: a key names no file inside the staging folder, or is a file and a folder at once.
     """
-    found = {rel: value for rel, value in listed.items() if rel and not rel.endswith("/")}  # folder markers
+    others = tuple(run_record.nested_runs(listed))
+    found = {rel: v for rel, v in listed.items() if rel and not rel.endswith("/") and not rel.startswith(others)}
     folders = {rel[:i] for rel in found for i, c in enumerate(rel) if c == "/"}
     for rel in sorted(found):
         why = bad_part(rel)
         if why:
             raise UserError(
-                f"S3 key {url}{rel} {why}, which would put its file outside the staging folder {staging}; "
-                f"delete or rename it in the prefix, then run again."
+                f"S3 key {url}{rel} {why}, so it names no file inside the staging folder {staging}; delete or "
+                f"rename it in the prefix, then run again."
             )
         if rel in folders:
             raise UserError(
@@ -63,10 +118,18 @@ def checked(listed: dict[str, tuple[int, str]], url: str, staging: str) -> dict[
 
 
 def inside(staging: str, rel: str) -> str:
-    """The path of ``rel`` (a key ``checked`` passed) in ``staging``; checked again where it is written."""
+    """The path of ``rel`` (a key ``checked`` passed) in ``staging``, checked again where it is written: its real
+    path (symbolic links followed) must be inside the staging folder's."""
     path = os.path.normpath(os.path.join(staging, rel))
-    if os.path.commonpath([os.path.abspath(staging), os.path.abspath(path)]) != os.path.abspath(staging):
+    root = os.path.abspath(staging)
+    if os.path.commonpath([root, os.path.abspath(path)]) != root:
         raise UserError(f"{rel} would be written outside the staging folder {staging}; check the prefix's keys.")
+    real_root = os.path.realpath(staging)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise UserError(
+            f"{rel} would be written outside the staging folder {staging}, through a symbolic link in it (to "
+            f"{os.path.realpath(path)}); remove the link, then run again."
+        )
     return path
 
 
@@ -96,7 +159,8 @@ class Prefix:
         self._store: storage.S3Store | None = None
         self._sent: dict[str, tuple[int, int]] = {}  # rel -> (size, mtime_ns) as uploaded or downloaded
         self._record: run_record.Record | None = None
-        self._record_put = b""  # the record as the prefix holds it
+        self._record_put = b""  # the record as this process last read or wrote it
+        self._record_tried: set[bytes] = set()  # records it put since, whose answer was lost
         self._staged_run: str | None = None  # whose checkpoints the staging folder held when the record was read
 
     @property
@@ -105,10 +169,13 @@ class Prefix:
             self._store = storage.S3Store(self.url, self.options)
         return self._store
 
-    def _keys(self) -> dict[str, tuple[int, str]]:
-        """Every file of the prefix: ``{path below it: (size, ETag)}``; folder markers left out, and a key that
-        is no file name of the staging folder refused (``checked``)."""
-        return checked(self.store.list_with_etags("--output"), self.url, self.staging)
+    def _keys(self, listed=None) -> dict[str, tuple[int, str]]:
+        """Every file of the run in the prefix: ``{path below it: (size, ETag)}``; folder markers and other runs
+        below it left out, and a key that is no file name of the staging folder refused (``checked``).
+        ``listed``: the prefix's listing, where it was just made."""
+        if listed is None:
+            listed = self.store.list_with_etags("--output")
+        return checked(listed, self.url, self.staging)
 
     @property
     def record(self) -> run_record.Record:
@@ -121,11 +188,12 @@ class Prefix:
         """Reads the prefix's record; returns whether it holds one. A run written before records were kept
         is given one that lists its checkpoints."""
         self._staged_run = run_record.read_staged(self.staging)
+        self._record_tried.clear()
         if RECORD in keys:
             data = self.store.read(RECORD)
             self._record, self._record_put = run_record.Record.parse(data, f"{self.url}{RECORD}"), data
             return True
-        self._record = run_record.Record(checkpoints=self._checkpoint_names(keys)[1])
+        self._record, self._record_put = run_record.Record(checkpoints=self._checkpoint_names(keys)[1]), b""
         return False
 
     def _checkpoint_names(self, keys) -> tuple[list[str], set[str]]:
@@ -157,6 +225,7 @@ class Prefix:
         """Checkpoint ``name`` of the prefix into the staging folder, verified; returns the bytes downloaded."""
         root = checkpoints.folder(self.staging)
         local = os.path.join(root, name)
+        inside(self.staging, f"{CHECKPOINTS}{name}")  # no symbolic link out of the staging folder on the way
         if self._staged_copy(name, local):
             return 0
         tmp = os.path.join(root, f".{name}.download-{os.getpid()}")
@@ -194,10 +263,16 @@ class Prefix:
         return True
 
     def _download(self, rel: str, path: str, record: bool = True) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         data = self.store.read(rel)
-        with files.replacing(path, "wb") as f:
-            f.write(data)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with files.replacing(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            raise UserError(
+                f"cannot write S3 key {self.url}{rel} into the staging folder {self.staging} ({e.strerror or e}); "
+                f"free space there, or delete or rename the key in the prefix, then run again."
+            ) from None
         if record:
             self._mark_sent(rel)
 
@@ -207,11 +282,18 @@ class Prefix:
         self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
 
     def _local_files(self) -> list[str]:
-        """The staging folder's files outside ``checkpoints/``, hidden ones (temporaries) aside."""
+        """The staging folder's files outside ``checkpoints/``, hidden ones (temporaries) and other staging
+        folders inside it (each marked by its copy of a record: a run of a prefix below) aside."""
         found = []
         for folder, dirs, names in os.walk(self.staging):
             rel_folder = os.path.relpath(folder, self.staging)
-            dirs[:] = [d for d in dirs if not d.startswith(".") and (rel_folder, d) != (".", "checkpoints")]
+            dirs[:] = [
+                d
+                for d in dirs
+                if not d.startswith(".")
+                and (rel_folder, d) != (".", "checkpoints")
+                and not os.path.exists(os.path.join(folder, d, RECORD))
+            ]
             found += [os.path.normpath(os.path.join(rel_folder, n)) for n in names if not n.startswith(".")]
         return sorted(found)
 
@@ -252,12 +334,16 @@ class Prefix:
         self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
 
     def _put_record(self, force: bool = False) -> None:
-        """The record into the prefix, where it changed (``force``: whatever it holds: a write test)."""
+        """The record into the prefix, where it changed (``force``: whatever it holds: a write test), once it is
+        read back as this process last read or wrote it (``run_record.same_as_written``)."""
         data = self.record.to_bytes()
         if force or data != self._record_put:
+            run_record.same_as_written(self.store, self._record_put, self._record_tried)
             key = self.store.key(RECORD)
+            self._record_tried.add(data)  # its answer may be lost where the write is not
             self._retrying(lambda: self.store.client.put_object(Bucket=self.store.bucket, Key=key, Body=data), RECORD)
             self._record_put = data
+            self._record_tried.clear()
 
     def _note(self, rels=(), checkpoint: str | None = None) -> None:
         """What is about to go up, added to the record in the prefix first: whatever of it goes up is the

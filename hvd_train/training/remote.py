@@ -26,8 +26,9 @@ uploads what changed there at every checkpoint, and everything at the end.
   checkpoint the pull took or stops (``latest_checkpoint``): a run that
   started over would prune the prefix's checkpoints with its first upload.
 * A prefix holds the run alone (``prefix``, ``run_record``): its keys must be
-  file names of the staging folder, and the run deletes only what its record
-  says it uploaded; a train refuses a prefix that holds something else.
+  file names of the staging folder, the run deletes only what its record
+  says it uploaded, and one process writes it; a train refuses a prefix that
+  holds something else, or another run below or around it.
 * Large files go up as multipart uploads (boto3's transfer manager).
   ``summary.json`` counts the uploads (``output_uploads``) and is uploaded
   last: the prefix holds a finished run once it is there.
@@ -40,30 +41,23 @@ import json
 import os
 import shutil
 import time
-import urllib.parse
 
 from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 from hvd_train.training import prefix, run_record
-from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY, checkpoints  # noqa: F401  (PART_BYTES: tests)
+from hvd_train.training.prefix import (  # noqa: F401  (PART_BYTES: tests)
+    CHECKPOINTS,
+    PART_BYTES,
+    SUMMARY,
+    checkpoints,
+    staging_folder,
+)
 
 log = get_logger("output")
 
 _mirrors: dict[str, Mirror] = {}
-
-
-def staging_folder(url: str) -> str:
-    """The local folder an S3 ``--output`` is staged in: ``$HVD_TRAIN_CACHE/runs/BUCKET/PREFIX``."""
-    parts = urllib.parse.urlsplit(url)
-    segments = parts.path.strip("/").split("/")
-    if not parts.netloc or not parts.path.strip("/") or any(s in ("", ".", "..") for s in segments):
-        raise UserError(
-            f"--output {storage.redact_url(url)} must name a bucket and a prefix without empty, '.' or '..' "
-            "parts, e.g. s3://my-bucket/runs/flowers."
-        )
-    return os.path.join(files.cache_base(), "runs", parts.netloc, *segments)
 
 
 def stage(cfg):
@@ -71,7 +65,7 @@ def stage(cfg):
     url = cfg.run.output
     if not storage.is_s3(url):
         return cfg
-    staging = staging_folder(url)
+    staging = staging_folder(url, cfg.data.s3_endpoint)
     _mirrors[os.path.abspath(staging)] = Mirror(url.rstrip("/") + "/", staging, cfg.data.s3_options())
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output=staging))
 
@@ -91,13 +85,18 @@ def location(output: str, checkpoint: str) -> str:
     return f"{checkpoint} (its upload to {mirror.url} failed: the prefix keeps its last complete checkpoint)"
 
 
-def open_run(path: str, options: storage.S3Options | None = None) -> tuple[str, Mirror | None]:
+def open_run(
+    path: str, options: storage.S3Options | None = None, flag: str = "--model-dir"
+) -> tuple[str, Mirror | None]:
     """A trained run for ``predict``, ``evaluate``, ``report`` and ``export``: a folder as it is, or
-    an S3 prefix as a copy of its finished run (checkpoints aside) in its staging folder, with the
-    mirror that uploads what the command adds (``push_outputs``)."""
+    an S3 prefix as a copy of its finished run (checkpoints aside) in a staging folder of its own (a
+    training of the prefix on this machine keeps its files in another), with the mirror that uploads
+    what the command adds (``push_outputs``)."""
     if not storage.is_s3(path):
         return path, None
-    mirror = Mirror(path.rstrip("/") + "/", staging_folder(path), options or storage.S3Options(), run=False)
+    options = options or storage.S3Options()
+    staging = staging_folder(path, options.endpoint, flag, kind="read")
+    mirror = Mirror(path.rstrip("/") + "/", staging, options, run=False)
     mirror.sync_outputs()
     return mirror.staging, mirror
 
@@ -128,12 +127,15 @@ class Mirror(prefix.Prefix):
 
     def check(self) -> None:
         """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
-        before records were kept), and can be written (its record is); or a ``UserError`` that says why."""
-        keys = self._keys()
-        if not self._load_record(keys):
+        before records were kept), with no run below or around it, and can be written (its record is); or a
+        ``UserError`` that says why."""
+        listed = self.store.list_with_etags("--output")
+        refused = run_record.nesting(listed, self.store)
+        keys = self._keys(listed)
+        if refused is None and not self._load_record(keys):
             refused = run_record.foreign(keys, self.url)
-            if refused is not None:
-                raise refused
+        if refused is not None:
+            raise refused
         self._put_record(force=True)
 
     def pull(self) -> str | None:
@@ -173,7 +175,7 @@ class Mirror(prefix.Prefix):
             if os.path.basename(path) not in keep:
                 log.info("removing %s from the staging folder: %s has no complete copy of it", path, self.url)
                 shutil.rmtree(path, ignore_errors=True)
-        run_record.mark_staged(self.staging, self.record)
+        run_record.mark_staged(self.staging, self.record.run)
         self.pulled = chosen
         if chosen is None:
             shutil.rmtree(checkpoints.folder(self.staging), ignore_errors=True)
@@ -226,7 +228,7 @@ class Mirror(prefix.Prefix):
                 name,
                 self.url,
             )
-            run_record.mark_staged(self.staging, self.record)
+            run_record.mark_staged(self.staging, self.record.run)
             self._staged_run = self.record.run
             return
 
@@ -294,6 +296,7 @@ class Mirror(prefix.Prefix):
                 f"{self.url} holds no finished run (no {SUMMARY}); train it to the end with --output "
                 f"{self.url.rstrip('/')}, or check the prefix."
             )
+        run_record.mark_staged(self.staging, None)  # a staging folder, which one around it passes over
         started, fetched = time.perf_counter(), self._sync_files(keys)
         log.info("the run in %s: %.1f MB downloaded in %.1f s", self.url, fetched / 1e6, time.perf_counter() - started)
 
@@ -316,13 +319,15 @@ class Mirror(prefix.Prefix):
             changed = self._changed()
             self._note(changed, name)
             if self._staged_run != self.record.run:  # the staging folder's checkpoints are of this run
-                run_record.mark_staged(self.staging, self.record)
+                run_record.mark_staged(self.staging, self.record.run)
                 self._staged_run = self.record.run
             for rel in changed:
                 self._upload(os.path.join(self.staging, rel), rel)
             parts = sorted(f for f in os.listdir(path) if f != checkpoints.STATE_FILE)
             for part in [*parts, checkpoints.STATE_FILE]:
                 self._upload(os.path.join(path, part), f"{CHECKPOINTS}{name}/{part}")
+        except run_record.OtherWriter:
+            raise
         except UserError as e:
             self.uploads.failed_checkpoints += 1
             log.warning(
@@ -362,7 +367,7 @@ class Mirror(prefix.Prefix):
             self._delete_checkpoint(name, keys)
         self._record = run_record.Record(files=self.record.files)
         self._put_record()
-        run_record.mark_staged(self.staging, self.record)
+        run_record.mark_staged(self.staging, self.record.run)
         self._staged_run = self.record.run
         return len(mine)
 
@@ -377,6 +382,8 @@ class Mirror(prefix.Prefix):
             summary["output_uploads"] = dataclasses.asdict(self.uploads)
             files.write_json(os.path.join(self.staging, SUMMARY), summary)
             self._upload(os.path.join(self.staging, SUMMARY), SUMMARY)
+        except run_record.OtherWriter:
+            raise
         except UserError as e:
             raise UserError(
                 f"{e} The run's outputs are in {self.staging}; rerun the same command to upload them (it "
@@ -392,6 +399,8 @@ class Mirror(prefix.Prefix):
                     self.store.delete(rel)
                 self.record.files.discard(rel)
             self._put_record()
+        except run_record.OtherWriter:
+            raise
         except UserError as e:
             log.warning("files of an earlier form of the model stay in %s: %s", self.url, e)
         log.info(

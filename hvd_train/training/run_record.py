@@ -1,11 +1,22 @@
-"""A run's record in its S3 prefix (``.hvd_train-run.json``): what of the prefix is the run's.
+"""A run's record in its S3 prefix (``.hvd_train-run.json``), and what records tell of a prefix.
 
 * **The record.** A run keeps in its prefix an id drawn when it starts, and
   every file and checkpoint it uploaded, recorded before the upload begins.
   It deletes nothing the record does not list (pruned checkpoints, an
   earlier form of its model), so what others keep beside it survives; and a
   train refuses a prefix that holds objects but no record, unless they are a
-  run written before records were kept.
+  run written before records were kept. A record that lists what no run
+  writes (a checkpoint's file among its files, a hidden name, a checkpoint
+  of no checkpoint's name) is refused whole: its other entries, which say
+  what may be deleted, cannot be trusted either.
+* **One writer.** Before each write of the record, the record in the prefix
+  is read back: where it is not what this process last read or wrote,
+  another process (a second machine that resumed the same run, two that
+  started it at once) writes the run too, and this one stops
+  (``OtherWriter``) rather than drop that one's entries.
+* **Runs do not nest.** A train refuses a prefix that holds another run's
+  record below it, or that lies below one: their staging folders would nest
+  as well, and one run's sync would delete or upload the other's files.
 * **The staging folder's copy** of the record's id says whose checkpoints it
   holds: a checkpoint of the staging folder is uploaded on resume only when
   it is of the run the prefix holds.
@@ -19,6 +30,7 @@ import os
 import uuid
 
 from hvd_train import files
+from hvd_train.data import storage
 from hvd_train.errors import UserError
 
 CHECKPOINTS = "checkpoints/"
@@ -31,6 +43,9 @@ _PROBE = ".write-test-"
 # What a run writes from its first epoch on: a prefix holding one of these, and no record, is a run
 # written before records were kept.
 _EARLIER_RUN = ("run_config.yaml", "summary.json")
+# The longest part of a key (in UTF-8 bytes) that a staging folder holds: a file system takes 255, and a
+# file is written under a temporary name of up to about 100 bytes more (``files.replacing``).
+MAX_PART_BYTES = 150
 
 
 class _Checkpoints:
@@ -45,13 +60,20 @@ class _Checkpoints:
 checkpoints = _Checkpoints()
 
 
+class OtherWriter(UserError):
+    """Another process writes the run's record: a run in S3 has one writer at a time."""
+
+
 def bad_part(rel: str) -> str:
     """Why ``rel`` cannot be a relative path inside a folder ("" when it can): the rule for the prefix's keys
     and for the names a record lists."""
     if "\0" in rel:
         return "holds a NUL character"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") for part in parts):
         return "has an empty, '.' or '..' part"
+    if any(len(part.encode("utf-8", "surrogateescape")) > MAX_PART_BYTES for part in parts):
+        return f"has a part longer than {MAX_PART_BYTES} bytes"
     return ""
 
 
@@ -84,7 +106,7 @@ class Record:
         """The record in ``data`` (the object ``where``).
 
         Raises:
-            UserError: it is not a record this hvd_train reads.
+            UserError: it is not a record this hvd_train reads, or it lists a name no run writes.
         """
         try:
             body = json.loads(data)
@@ -94,6 +116,12 @@ class Record:
             for rel in [*record.files, *record.checkpoints]:
                 if not isinstance(rel, str) or bad_part(rel):
                     raise ValueError(f"it lists {rel!r}")
+            for rel in record.files:  # what _local_files gives: checkpoints and hidden files aside
+                if rel.startswith(CHECKPOINTS) or any(part.startswith(".") for part in rel.split("/")):
+                    raise ValueError(f"it lists {rel!r} among its files, which no run uploads as one")
+            for name in record.checkpoints:
+                if "/" in name or not checkpoints.order(name):
+                    raise ValueError(f"it lists {name!r} among its checkpoints, which is no checkpoint's name")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise UserError(
                 f"{where} is not the record of an hvd_train run ({e}); if the prefix holds nothing but that run, "
@@ -120,13 +148,72 @@ def foreign(keys, url: str) -> UserError | None:
     )
 
 
+def nested_runs(keys) -> list[str]:
+    """The folders below a prefix (``sub/``) that hold another run, by its record: ``keys`` is the listing."""
+    return sorted(rel[: -len(RECORD)] for rel in keys if rel.endswith("/" + RECORD))
+
+
+def nesting(keys, store: storage.S3Store) -> UserError | None:
+    """Why a train must not write to ``store``'s prefix, which holds ``keys``, for the runs around it: one
+    below it (a record in ``keys``) or one it lies in (a record in a parent prefix, one HEAD each); None
+    where no run is. A HEAD the credentials may not make (403) finds none: a policy may end at the prefix."""
+    url = store.url
+    below = nested_runs(keys)
+    if below:
+        return UserError(
+            f"--output {url} holds another run, in {url}{below[0]} (its {RECORD}): runs in S3 may not nest, as "
+            f"one run's uploads and deletes would meet the other's files; give --output a prefix beside it, "
+            f"e.g. {url.rstrip('/')}-2/."
+        )
+    parts = store.prefix.rstrip("/").split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        parent = "/".join(parts[:depth]) + "/"
+        try:
+            store.client.head_object(Bucket=store.bucket, Key=parent + RECORD)
+        except Exception as e:
+            if storage.error_code(e) in ("404", "NoSuchKey", "NotFound", "403", "AccessDenied"):
+                continue
+            raise store.error(e, "read", parent + RECORD, "--output") from None
+        outer = f"s3://{store.bucket}/{parent}"
+        return UserError(
+            f"--output {url} is inside the run in {outer} (its {RECORD}): runs in S3 may not nest, as one run's "
+            f"uploads and deletes would meet the other's files; give --output a prefix outside it, e.g. "
+            f"s3://{store.bucket}/{parent.rstrip('/')}-{parts[-1]}/."
+        )
+    return None
+
+
+def same_as_written(store: storage.S3Store, last: bytes, tried=()) -> None:
+    """Checks that the record in the prefix is ``last`` (what this process last read or wrote; ``b""``: none)
+    or one of ``tried`` (writes of this process whose answer was lost), before this process writes it.
+
+    Raises:
+        OtherWriter: another process wrote it.
+    """
+    try:
+        now = store.client.get_object(Bucket=store.bucket, Key=store.key(RECORD))["Body"].read()
+    except Exception as e:
+        if storage.error_code(e) not in ("404", "NoSuchKey", "NotFound"):
+            raise store.error(e, "read", store.key(RECORD), "--output") from None
+        now = b""
+    if now != last and now not in tried:
+        what = "wrote" if now else "deleted"
+        raise OtherWriter(
+            f"another process {what} {store.url}{RECORD} since this one read it: two processes write the run in "
+            f"{store.url} (a second machine resumed it, or two started it at once), which would lose each "
+            f"other's checkpoints; stop all but one, then rerun the same command to resume (or give each run "
+            f"a prefix of its own)."
+        )
+
+
 def read_staged(staging: str) -> str | None:
     """The run id of the staging folder's checkpoints (its copy of the record), or None."""
     copy = files.read_json(os.path.join(staging, RECORD), {})
     return copy.get("run") if isinstance(copy, dict) else None
 
 
-def mark_staged(staging: str, record: Record) -> None:
-    """The staging folder's checkpoints are of ``record``'s run."""
+def mark_staged(staging: str, run: str | None) -> None:
+    """The staging folder's checkpoints are of run ``run`` (None: the copy of a command that reads a run). The
+    copy also marks the folder as a staging folder, which another's, around it, passes over."""
     os.makedirs(staging, exist_ok=True)
-    files.write_json(os.path.join(staging, RECORD), {"run": record.run})
+    files.write_json(os.path.join(staging, RECORD), {"run": run})

@@ -1,0 +1,114 @@
+"""What of an S3 prefix is a run's (``training.run_record``): its record trusted only as a run writes it, one
+writer at a time, and runs that never nest; in one process against each real test S3 server (moto, rclone)."""
+
+import json
+import os
+import re
+
+import pytest
+
+from hvd_train.compat import keras
+from hvd_train.errors import UserError
+from hvd_train.training import checkpoints, remote
+from hvd_train.training.run_record import RECORD, OtherWriter
+
+from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, save, stored
+
+
+@pytest.fixture
+def prefix(any_s3_server, monkeypatch):
+    """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
+    return fresh_prefix(any_s3_server, monkeypatch)
+
+
+@pytest.fixture
+def net():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    return model, keras.optimizers.SGD(0.1)
+
+
+def test_a_record_that_lists_what_no_run_writes_is_refused_whole(prefix, net, tmp_path):
+    # finish() deletes from the prefix the files of the record that the staging folder no longer has: a
+    # record listing the newest checkpoint's manifest among its files would cost the run that checkpoint.
+    url, bucket, client = prefix
+    finished_run(tmp_path / "one", url, *net)
+    [name] = prefix_checkpoints(client, bucket)
+    before = stored(client, bucket)
+    record = json.loads(client.get_object(Bucket=bucket, Key=f"runs/a/{RECORD}")["Body"].read())
+    for field, listed in (
+        ("files", f"checkpoints/{name}/{checkpoints.STATE_FILE}"),
+        ("files", "tensorboard/.events.tmp-1"),
+        ("files", ".hvd_train-run.json"),
+        ("checkpoints", "notes"),
+        ("checkpoints", "epoch-0001/x"),
+    ):
+        planted = {**record, field: [*record[field], listed]}
+        client.put_object(Bucket=bucket, Key=f"runs/a/{RECORD}", Body=json.dumps(planted).encode())
+        refused = f"^{re.escape(url + RECORD)} is not the record .*{re.escape(repr(listed))}"
+        with pytest.raises(UserError, match=refused):
+            remote.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
+    assert stored(client, bucket).keys() == before.keys()
+
+
+def test_a_second_writer_of_a_run_is_stopped_before_it_drops_the_first_ones_checkpoints(prefix, net, tmp_path):
+    # Two machines run the same command on one prefix (or start it at once): each would write the record as
+    # it read it, and the other's checkpoints would fall out of it (never pruned, never resumed from).
+    url, bucket, client = prefix
+    model, optimizer = net
+    one, two = tmp_path / "one", tmp_path / "two"
+    first, second = remote.Mirror(url, str(one), OPTIONS), remote.Mirror(url, str(two), OPTIONS)
+    first.check()
+    second.check()  # the same fresh run, as the first wrote it
+    assert first.pull() is None and second.pull() is None
+    assert first.push_checkpoint(save(one, 0, model, optimizer, epoch=1))
+    with pytest.raises(OtherWriter, match=f"^another process wrote {re.escape(url + RECORD)} since this one") as e:
+        second.push_checkpoint(save(two, 0, model, optimizer, epoch=2))
+    assert f"two processes write the run in {url}" in str(e.value) and "\n" not in str(e.value)
+    assert first.push_checkpoint(save(one, 0, model, optimizer, epoch=2))  # the first goes on
+    record = json.loads(client.get_object(Bucket=bucket, Key=f"runs/a/{RECORD}")["Body"].read())
+    assert record["checkpoints"] == ["epoch-0001", "epoch-0002"] == sorted(prefix_checkpoints(client, bucket))
+    # Two that list the empty prefix before either writes: each draws a run id; the second one's write stops.
+    url = url.replace("/runs/a/", "/runs/b/")
+    late, early = remote.Mirror(url, str(tmp_path / "late"), OPTIONS), remote.Mirror(url, str(tmp_path / "e"), OPTIONS)
+    assert late.record.checkpoints == set()  # its listing found nothing
+    early.check()
+    with pytest.raises(OtherWriter, match=f"^another process wrote {re.escape(url + RECORD)}"):
+        late._put_record(force=True)  # what its check() does next
+
+
+def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
+    # A run in s3://b/r/ and one in s3://b/r/sub/: their staging folders nest too, and the outer run's sync
+    # would remove or replace the inner one's files, or upload them as its own.
+    url, bucket, client = prefix
+    model, optimizer = net
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    finished_run(tmp_path / "outer", url, model, optimizer)
+    inner_url = f"{url}sub/"
+    with pytest.raises(UserError, match=f"^--output {re.escape(inner_url)} is inside the run in {re.escape(url)} "):
+        remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS).check()
+    assert not [key for key in stored(client, bucket) if key.startswith("sub/")]
+    # An inner run an earlier hvd_train let start: the outer one is refused in turn ...
+    inner = remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS)
+    (tmp_path / "outer" / "sub").mkdir()
+    (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n")
+    assert inner.push_checkpoint(save(tmp_path / "outer" / "sub", 0, model, optimizer, epoch=1))
+    with pytest.raises(UserError, match=f"^--output {re.escape(url)} holds another run, in {re.escape(inner_url)} "):
+        remote.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
+    # ... and where it resumes all the same (a check of an earlier hvd_train), it neither takes the inner
+    # run's files for its own nor touches its staging folder: the inner metrics.csv that an outage kept back.
+    (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n2\n")
+    outer = remote.Mirror(url, str(tmp_path / "outer"), OPTIONS)
+    assert outer.pull() is not None
+    assert (tmp_path / "outer" / "sub" / "metrics.csv").read_text() == "epoch\n1\n2\n"
+    assert outer.push_checkpoint(save(tmp_path / "outer", 0, model, optimizer, epoch=2))
+    assert not [rel for rel in outer.record.files if rel.startswith("sub/")]
+    # The commands that read a run copy it into a staging folder of their own, and read neither the inner
+    # run's files nor a training's staging folder (whose outputs may not have gone up).
+    staged = remote.staging_folder(url)
+    os.makedirs(staged)
+    with open(os.path.join(staged, "metrics.csv"), "w") as f:
+        f.write("epoch\n1\n2\n3\n")  # a training of the prefix on this machine, in an outage
+    run_dir, _ = remote.open_run(url, OPTIONS)
+    assert open(os.path.join(staged, "metrics.csv")).read() == "epoch\n1\n2\n3\n"
+    assert run_dir != staged
+    assert os.path.isfile(os.path.join(run_dir, "summary.json")) and not os.path.exists(os.path.join(run_dir, "sub"))
