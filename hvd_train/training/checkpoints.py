@@ -298,7 +298,7 @@ def latest(output: str, set_aside: bool = False) -> Found | None:
     """
     for path in candidates(output):
         try:
-            return _verify_again_if_unreadable(path)
+            return verify_again_if_unreadable(path)
         except ValueError as e:
             moved = _set_aside(path) if set_aside else None
             log.warning(
@@ -310,7 +310,7 @@ def latest(output: str, set_aside: bool = False) -> Found | None:
     return None
 
 
-def _verify_again_if_unreadable(path: str) -> Found:
+def verify_again_if_unreadable(path: str) -> Found:
     """``verify``, read again after ``READ_RETRIES`` where a read failed: a file server that
     fails over or a network that drops for a moment must not cost the newest checkpoint."""
     for delay in READ_RETRIES:
@@ -378,7 +378,7 @@ def of_epoch_end(output: str, epochs: int) -> Found | None:
     for path in candidates(output):
         if order(os.path.basename(path))[:2] == want:
             try:
-                return _verify_again_if_unreadable(path)
+                return verify_again_if_unreadable(path)
             except ValueError as e:
                 log.warning("skipping checkpoint %s: %s", path, e)
     return None

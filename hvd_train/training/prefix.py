@@ -234,7 +234,7 @@ class Prefix:
         try:
             for rel in parts:
                 self._download(rel, inside(tmp, rel[len(f"{CHECKPOINTS}{name}/") :]), record=False)
-            checkpoints.verify(tmp)
+            checkpoints.verify_again_if_unreadable(tmp)  # a read fault of a moment must not cost its turn
             shutil.rmtree(local, ignore_errors=True)
             os.rename(tmp, local)
         finally:

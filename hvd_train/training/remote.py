@@ -241,7 +241,7 @@ class Mirror(prefix.Prefix):
             if complete and checkpoints.order(os.path.basename(path)) <= checkpoints.order(complete[0]):
                 return None
             try:
-                return checkpoints.verify(path)
+                return checkpoints.verify_again_if_unreadable(path)  # else the pull removes it
             except ValueError as e:
                 log.warning("skipping checkpoint %s: %s", path, e)
         return None
