@@ -47,6 +47,12 @@ def test_a_record_that_lists_what_no_run_writes_is_refused_whole(prefix, net, tm
         refused = f"^{re.escape(url + RECORD)} is not the record .*{re.escape(repr(listed))}"
         with pytest.raises(UserError, match=refused):
             remote.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
+    # A field of another type: "files": "metrics" would be read as the names m, e, t, r, i, c and s.
+    for field, value in (("files", "metrics"), ("files", [1]), ("checkpoints", {"epoch-0001": 1}), ("run", 5)):
+        client.put_object(Bucket=bucket, Key=f"runs/a/{RECORD}", Body=json.dumps({**record, field: value}).encode())
+        what = "its run id is no string" if field == "run" else f"its {field!r} is no list of names"
+        with pytest.raises(UserError, match=f"^{re.escape(url + RECORD)} is not the record .*\\({what}\\)"):
+            remote.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
     assert stored(client, bucket).keys() == before.keys()
 
 

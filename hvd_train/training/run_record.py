@@ -7,8 +7,9 @@
   train refuses a prefix that holds objects but no record, unless they are a
   run written before records were kept. A record that lists what no run
   writes (a checkpoint's file among its files, a hidden name, a checkpoint
-  of no checkpoint's name) is refused whole: its other entries, which say
-  what may be deleted, cannot be trusted either.
+  of no checkpoint's name), or a field of another type than a run writes,
+  is refused whole: its other entries, which say what may be deleted,
+  cannot be trusted either.
 * **One writer.** Before each write of the record, the record in the prefix
   is read back: where it is not what this process last read or wrote,
   another process (a second machine that resumed the same run, two that
@@ -112,9 +113,14 @@ class Record:
             body = json.loads(data)
             if body.get("format") != FORMAT or body.get("version") != VERSION:
                 raise ValueError(f"not a {FORMAT} of version {VERSION}")
-            record = cls(str(body["run"]), set(body["files"]), set(body["checkpoints"]))
+            if not isinstance(body["run"], str) or not body["run"]:
+                raise ValueError("its run id is no string")
+            for field in ("files", "checkpoints"):
+                if not isinstance(body[field], list) or not all(isinstance(rel, str) for rel in body[field]):
+                    raise ValueError(f"its {field!r} is no list of names")
+            record = cls(body["run"], set(body["files"]), set(body["checkpoints"]))
             for rel in [*record.files, *record.checkpoints]:
-                if not isinstance(rel, str) or bad_part(rel):
+                if bad_part(rel):
                     raise ValueError(f"it lists {rel!r}")
             for rel in record.files:  # what _local_files gives: checkpoints and hidden files aside
                 if rel.startswith(CHECKPOINTS) or any(part.startswith(".") for part in rel.split("/")):
