@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hvd_train.compat import keras
+from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 
 from s3_runs import OPTIONS, fresh_prefix, save
@@ -49,3 +50,16 @@ def test_a_read_fault_of_a_moment_costs_no_checkpoint_its_turn(prefix, net, tmp_
     assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
     assert remote.Mirror(url, str(one), OPTIONS).pull() == kept_back
     assert len(failed) == 2
+
+
+def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, monkeypatch):
+    # s3://KEY:SECRET@bucket/x: a folder named after it would hold the secret, and a message that showed it
+    # redacted as s3://bucket/x would look like a valid --output.
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path))
+    for url in ("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bkt/x", "s3://AKIAEXAMPLE@bkt/x", "s3://:wJalrXUtnFEMI@bkt/x"):
+        for flag in ("--output", "--model-dir"):
+            with pytest.raises(UserError, match=f"^{flag} holds user:password@ before its bucket") as e:
+                remote.staging_folder(url, flag=flag)
+            message = str(e.value)
+            assert "AKIAEXAMPLE" not in message and "wJalrXUtnFEMI" not in message and "\n" not in message
+            assert "(shown without it: s3://bkt/x)" in message and "AWS_ACCESS_KEY_ID" in message

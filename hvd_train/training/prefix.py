@@ -71,6 +71,12 @@ def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: s
             f"{flag} {shown} holds a '?' or '#', which would cut the prefix short; name the prefix without "
             "them, e.g. s3://my-bucket/runs/flowers."
         )
+    if parts.username is not None or parts.password is not None:  # never shown, not even in part
+        raise UserError(
+            f"{flag} holds user:password@ before its bucket (shown without it: {shown}): S3 credentials never go "
+            f"in a URL, they come from the AWS chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, an "
+            f"instance role); give {flag} {shown}."
+        )
     bucket = parts.netloc
     if (
         not _BUCKET.fullmatch(bucket)
