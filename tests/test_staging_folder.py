@@ -10,7 +10,7 @@ from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 
-from s3_runs import OPTIONS, fresh_prefix, save
+from s3_runs import OPTIONS, fresh_prefix, save, stored
 
 
 @pytest.fixture
@@ -63,3 +63,21 @@ def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, monkeypatc
             message = str(e.value)
             assert "AKIAEXAMPLE" not in message and "wJalrXUtnFEMI" not in message and "\n" not in message
             assert "(shown without it: s3://bkt/x)" in message and "AWS_ACCESS_KEY_ID" in message
+
+
+def test_a_file_whose_name_no_key_may_have_stays_in_the_staging_folder_with_a_warning(prefix, net, tmp_path, caplog):
+    # A resume refuses a key with a part longer than 150 bytes (with the room a temporary name takes, no staging
+    # folder could hold it), and a record that lists one: uploaded, such a file would cost the run its resume.
+    url, bucket, client = prefix
+    staging = tmp_path / "one"
+    long_name = "p" * 160 + ".png"
+    (staging / "pictures").mkdir(parents=True)
+    (staging / "pictures" / long_name).write_bytes(b"a picture")
+    (staging / "metrics.csv").write_text("epoch\n1\n")
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror.check()
+    for epoch in (1, 2):
+        assert mirror.push_checkpoint(save(staging, 0, *net, epoch=epoch))
+    assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
+    assert "metrics.csv" in stored(client, bucket) and not [k for k in stored(client, bucket) if "ppp" in k]
+    assert caplog.text.count(f"pictures/{long_name} of {staging} is not uploaded to {url}: its name has a part") == 1

@@ -168,6 +168,7 @@ class Prefix:
         self._record_put = b""  # the record as this process last read or wrote it
         self._record_tried: set[bytes] = set()  # records it put since, whose answer was lost
         self._staged_run: str | None = None  # whose checkpoints the staging folder held when the record was read
+        self._unfit: set[str] = set()  # files whose name no key of the prefix may have, warned of
 
     @property
     def store(self) -> storage.S3Store:
@@ -361,9 +362,17 @@ class Prefix:
 
     def _changed(self, skip: str | None = None) -> list[str]:
         """The staging folder's files (checkpoints and ``skip`` aside) changed since they last went up or came
-        down, ``summary.json`` last (a prefix that holds it holds a finished run)."""
+        down, ``summary.json`` last (a prefix that holds it holds a finished run); a file whose name is no key's
+        (``bad_part``: too long a part) is left out with a warning, as a resume would refuse the prefix."""
         changed = []
         for rel in self._local_files():
+            if bad_part(rel):  # a name longer than MAX_PART_BYTES: no staging folder could take it back
+                if rel not in self._unfit:
+                    self._unfit.add(rel)
+                    log.warning(
+                        "%s of %s is not uploaded to %s: its name %s", rel, self.staging, self.url, bad_part(rel)
+                    )
+                continue
             stat = os.stat(os.path.join(self.staging, rel))
             if rel != skip and self._sent.get(rel) != (stat.st_size, stat.st_mtime_ns):
                 changed.append(rel)
