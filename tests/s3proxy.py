@@ -13,6 +13,8 @@ a key, whole or a part) are read and their connection shut with no answer,
 as when the network drops mid-upload; or each made ``upload_delay`` seconds
 slower, as over a slow link. ``deny_deletes`` answers every DELETE with S3's
 403 AccessDenied, as for credentials whose policy lacks s3:DeleteObject.
+``refuse_conditions`` answers a PUT with ``If-Match`` or ``If-None-Match``
+with 501 NotImplemented, as a store without conditional writes may.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class CuttingProxy:
         self.reads = self.cuts = 0
         self.cut_uploads = self.upload_cuts = self.let_through = 0
         self.upload_delay = 0.0
-        self.deny_deletes = False
+        self.deny_deletes = self.refuse_conditions = False
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
@@ -62,13 +64,10 @@ class CuttingProxy:
                 if self.command == "PUT":
                     time.sleep(proxy.upload_delay)
                 if self.command == "DELETE" and proxy.deny_deletes:
-                    denied = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
-                    self.send_response(403)
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(denied)))
-                    self.end_headers()
-                    self.wfile.write(denied)
-                    return
+                    return self.error(403, "AccessDenied")
+                conditional = "If-Match" in self.headers or "If-None-Match" in self.headers
+                if self.command == "PUT" and conditional and proxy.refuse_conditions:
+                    return self.error(501, "NotImplemented")
                 upstream = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
                     # The Host header goes as the client signed it.
@@ -95,6 +94,16 @@ class CuttingProxy:
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+
+            def error(self, status: int, code: str) -> None:
+                """S3's answer of ``status`` with the error ``code`` (no body to a HEAD, as S3's)."""
+                body = f"<Error><Code>{code}</Code><Message>{code}</Message></Error>".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", "0" if self.command == "HEAD" else str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
 

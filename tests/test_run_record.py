@@ -1,6 +1,7 @@
 """What of an S3 prefix is a run's (``training.run_record``): its record trusted only as a run writes it, one
 writer at a time, and runs that never nest; in one process against each real test S3 server (moto, rclone)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from hvd_train.training import checkpoints, remote
 from hvd_train.training.run_record import RECORD, OtherWriter
 
 from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, save, stored
+from s3proxy import CuttingProxy
 
 
 @pytest.fixture
@@ -56,30 +58,74 @@ def test_a_record_that_lists_what_no_run_writes_is_refused_whole(prefix, net, tm
     assert stored(client, bucket).keys() == before.keys()
 
 
-def test_a_second_writer_of_a_run_is_stopped_before_it_drops_the_first_ones_checkpoints(prefix, net, tmp_path):
-    # Two machines run the same command on one prefix (or start it at once): each would write the record as
-    # it read it, and the other's checkpoints would fall out of it (never pruned, never resumed from).
+def test_a_second_writer_of_a_run_stops_the_first_before_it_uploads_or_deletes_anything(
+    prefix, net, tmp_path, any_s3_server
+):
+    # Machine B resumes the run while A still writes it (a requeued job whose earlier one lives, a double
+    # launch). B's start writes B into the record, so that A finds it changed even where B adds nothing to it:
+    # A stops before it uploads (its files would mix with B's checkpoint of the same name) or prunes (with
+    # --keep-checkpoints 1, the checkpoint B resumed from). B goes on.
+    url, bucket, client = prefix
+    model, optimizer = net
+    one, two = tmp_path / "one", tmp_path / "two"
+    first = remote.Mirror(url, str(one), OPTIONS)
+    first.check()
+    assert first.pull() is None
+    assert first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=1))
+    second = remote.Mirror(url, str(two), OPTIONS)
+    second.check()
+    assert second.pull() == "epoch-0001"
+    before = stored(client, bucket)
+    with pytest.raises(OtherWriter, match=f"^another process \\(.* pid {os.getpid()} from .*\\) wrote ") as e:
+        first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=2))
+    assert f"{url}{RECORD} since this one read it" in str(e.value) and "\n" not in str(e.value)
+    assert stored(client, bucket) == before
+    assert second.push_checkpoint(save(two, 0, model, optimizer, keep=1, epoch=2))
+    assert prefix_checkpoints(client, bucket) == {"epoch-0002"}
+    # A record write of A's that B's start overtook, where the store makes conditional writes (moto; rclone's
+    # serve s3 ignores the condition, and the read-back before each write and upload is the check there).
+    url = url.replace("/runs/a/", "/runs/b/")
+    late, early = remote.Mirror(url, str(tmp_path / "late"), OPTIONS), remote.Mirror(url, str(tmp_path / "e"), OPTIONS)
+    assert late.record.checkpoints == set()  # its listing found nothing
+    read = late._ours()  # nor its read-back: the two start at once
+    early.check()
+    if any_s3_server.kind == "moto":
+        with pytest.raises(OtherWriter, match=f"^another process \\(.*\\) wrote {re.escape(url + RECORD)}"):
+            late._put_if(late.record.to_bytes(), read)
+    with pytest.raises(OtherWriter, match=f"^another process \\(.*\\) wrote {re.escape(url + RECORD)}"):
+        late._put_record(force=True)  # what its check() does
+
+
+def test_a_writer_that_loses_the_run_midway_through_a_checkpoint_never_completes_it(prefix, net, tmp_path):
+    # B takes the run up while A uploads its epoch-0002, which A's record lists already: B's own epoch-0002
+    # changes nothing in the record. Were A to upload its manifest all the same, A's and B's files of one
+    # checkpoint would mix in the prefix.
     url, bucket, client = prefix
     model, optimizer = net
     one, two = tmp_path / "one", tmp_path / "two"
     first, second = remote.Mirror(url, str(one), OPTIONS), remote.Mirror(url, str(two), OPTIONS)
     first.check()
-    second.check()  # the same fresh run, as the first wrote it
-    assert first.pull() is None and second.pull() is None
     assert first.push_checkpoint(save(one, 0, model, optimizer, epoch=1))
-    with pytest.raises(OtherWriter, match=f"^another process wrote {re.escape(url + RECORD)} since this one") as e:
-        second.push_checkpoint(save(two, 0, model, optimizer, epoch=2))
-    assert f"two processes write the run in {url}" in str(e.value) and "\n" not in str(e.value)
-    assert first.push_checkpoint(save(one, 0, model, optimizer, epoch=2))  # the first goes on
-    record = json.loads(client.get_object(Bucket=bucket, Key=f"runs/a/{RECORD}")["Body"].read())
-    assert record["checkpoints"] == ["epoch-0001", "epoch-0002"] == sorted(prefix_checkpoints(client, bucket))
-    # Two that list the empty prefix before either writes: each draws a run id; the second one's write stops.
-    url = url.replace("/runs/a/", "/runs/b/")
-    late, early = remote.Mirror(url, str(tmp_path / "late"), OPTIONS), remote.Mirror(url, str(tmp_path / "e"), OPTIONS)
-    assert late.record.checkpoints == set()  # its listing found nothing
-    early.check()
-    with pytest.raises(OtherWriter, match=f"^another process wrote {re.escape(url + RECORD)}"):
-        late._put_record(force=True)  # what its check() does next
+    upload, taken = first._upload, []
+
+    def and_meanwhile_b_starts(path, rel):
+        if rel.startswith("checkpoints/epoch-0002/") and not taken:
+            second.check()
+            taken.append(second.pull())
+        upload(path, rel)
+
+    first._upload = and_meanwhile_b_starts
+    with pytest.raises(OtherWriter):
+        first.push_checkpoint(save(one, 0, model, optimizer, epoch=2))
+    assert taken == ["epoch-0001"]
+    assert f"checkpoints/epoch-0002/{checkpoints.STATE_FILE}" not in stored(client, bucket)
+    assert second.push_checkpoint(save(two, 0, model, optimizer, epoch=2))
+    third = tmp_path / "three"
+    assert remote.Mirror(url, str(third), OPTIONS).pull() == "epoch-0002"
+    for part in os.listdir(two / "checkpoints" / "epoch-0002"):
+        assert (third / "checkpoints" / "epoch-0002" / part).read_bytes() == (
+            two / "checkpoints/epoch-0002" / part
+        ).read_bytes()
 
 
 def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
@@ -118,3 +164,25 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
     assert open(os.path.join(staged, "metrics.csv")).read() == "epoch\n1\n2\n3\n"
     assert run_dir != staged
     assert os.path.isfile(os.path.join(run_dir, "summary.json")) and not os.path.exists(os.path.join(run_dir, "sub"))
+
+
+def test_a_store_without_conditional_writes_keeps_the_check_that_reads_the_record_back(
+    prefix, net, tmp_path, any_s3_server
+):
+    # A store that refuses a PUT with If-Match or If-None-Match (501 NotImplemented) takes the record plainly; a
+    # second writer is caught all the same, by the record read back before every write and upload.
+    url, bucket, client = prefix
+    model, optimizer = net
+    proxy = CuttingProxy(any_s3_server.url)
+    proxy.refuse_conditions = True
+    options = dataclasses.replace(OPTIONS, endpoint=proxy.url)
+    try:
+        first = remote.Mirror(url, str(tmp_path / "one"), options)
+        first.check()
+        assert first.push_checkpoint(save(tmp_path / "one", 0, model, optimizer, epoch=1))
+        remote.Mirror(url, str(tmp_path / "two"), options).check()
+        with pytest.raises(OtherWriter):
+            first.push_checkpoint(save(tmp_path / "one", 0, model, optimizer, epoch=2))
+    finally:
+        proxy.stop()
+    assert prefix_checkpoints(client, bucket) == {"epoch-0001"}

@@ -311,6 +311,8 @@ class Prefix:
         for attempt in range(1, attempts + 1):
             try:
                 return write()
+            except UserError:  # OtherWriter: no retry mends it
+                raise
             except Exception as e:
                 if attempt == attempts or storage.error_code(e) in _FINAL:
                     raise self.store.error(e, "write", self.store.key(rel)) from None
@@ -340,17 +342,46 @@ class Prefix:
         self.uploads.seconds += time.perf_counter() - started
         self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
 
+    def _ours(self) -> str:
+        """Checks that the run is still this process's to write: its record in the prefix is as this process last
+        read or wrote it (``run_record.same_as_written``); returns the record's ETag ("": none).
+
+        Raises:
+            run_record.OtherWriter: another process wrote it since.
+        """
+        return run_record.same_as_written(self.store, self._record_put, self._record_tried)
+
     def _put_record(self, force: bool = False) -> None:
-        """The record into the prefix, where it changed (``force``: whatever it holds: a write test), once it is
-        read back as this process last read or wrote it (``run_record.same_as_written``)."""
+        """The record into the prefix, where it changed (``force``: whatever it holds: a write test); before, and
+        where it did not change too, it is read back as this process last read or wrote it (``_ours``)."""
         data = self.record.to_bytes()
+        etag = self._ours()
         if force or data != self._record_put:
-            run_record.same_as_written(self.store, self._record_put, self._record_tried)
-            key = self.store.key(RECORD)
             self._record_tried.add(data)  # its answer may be lost where the write is not
-            self._retrying(lambda: self.store.client.put_object(Bucket=self.store.bucket, Key=key, Body=data), RECORD)
+            self._retrying(lambda: self._put_if(data, etag), RECORD)
             self._record_put = data
             self._record_tried.clear()
+
+    def _put_if(self, data: bytes, etag: str) -> None:
+        """``data`` as the record, only while the prefix holds the record of ``etag`` (none: ``""``), where the
+        store makes conditional writes (AWS, moto; rclone's serve s3 ignores the condition, and a store that
+        refuses it gets a plain write: the read-back before is the check that holds everywhere).
+
+        Raises:
+            run_record.OtherWriter: another process wrote or deleted the record since it was read.
+        """
+        put = self.store.client.put_object
+        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            put(Bucket=self.store.bucket, Key=self.store.key(RECORD), Body=data, **condition)
+        except Exception as e:
+            code = storage.error_code(e)
+            if code in _CONDITIONS_REFUSED:
+                put(Bucket=self.store.bucket, Key=self.store.key(RECORD), Body=data)
+            elif code in _CHANGED_SINCE_READ:  # by another process, or by this one's try whose answer was lost
+                run_record.same_as_written(self.store, data)
+            else:
+                raise
 
     def _note(self, rels=(), checkpoint: str | None = None) -> None:
         """What is about to go up, added to the record in the prefix first: whatever of it goes up is the
@@ -399,6 +430,12 @@ _FINAL = {
     "403",
     "404",
 }
+
+
+# A conditional write's answers: the object is not the one read (or a write of it is under way; or, for If-Match,
+# it is gone), or the store makes no conditional writes.
+_CHANGED_SINCE_READ = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409", "NoSuchKey", "404"}
+_CONDITIONS_REFUSED = {"NotImplemented", "501"}
 
 
 def _hidden(rel: str) -> bool:

@@ -136,6 +136,7 @@ class Mirror(prefix.Prefix):
             refused = run_record.foreign(keys, self.url)
         if refused is not None:
             raise refused
+        self.record.writer = run_record.writer()  # a second writer changes the record, even where it adds nothing
         self._put_record(force=True)
 
     def pull(self) -> str | None:
@@ -325,6 +326,8 @@ class Mirror(prefix.Prefix):
                 self._upload(os.path.join(self.staging, rel), rel)
             parts = sorted(f for f in os.listdir(path) if f != checkpoints.STATE_FILE)
             for part in [*parts, checkpoints.STATE_FILE]:
+                if part == checkpoints.STATE_FILE:
+                    self._ours()  # a writer that took the run over meanwhile may upload one of this name too
                 self._upload(os.path.join(path, part), f"{CHECKPOINTS}{name}/{part}")
         except run_record.OtherWriter:
             raise
@@ -365,7 +368,7 @@ class Mirror(prefix.Prefix):
         mine = sorted(names & self.record.checkpoints)
         for name in mine:
             self._delete_checkpoint(name, keys)
-        self._record = run_record.Record(files=self.record.files)
+        self._record = run_record.Record(files=self.record.files, writer=self.record.writer)
         self._put_record()
         run_record.mark_staged(self.staging, self.record.run)
         self._staged_run = self.record.run

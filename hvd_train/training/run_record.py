@@ -10,11 +10,15 @@
   of no checkpoint's name), or a field of another type than a run writes,
   is refused whole: its other entries, which say what may be deleted,
   cannot be trusted either.
-* **One writer.** Before each write of the record, the record in the prefix
-  is read back: where it is not what this process last read or wrote,
-  another process (a second machine that resumed the same run, two that
-  started it at once) writes the run too, and this one stops
-  (``OtherWriter``) rather than drop that one's entries.
+* **One writer.** A train writes its own writer (host, pid, time, a random
+  part) into the record when it starts, so a second process that takes up
+  the run (a second machine that resumed it, two that started it at once)
+  always changes the record, even where it adds nothing. Before each write
+  of the record, each checkpoint's upload and its manifest, and each delete,
+  the record in the prefix is read back: where it is not what this process
+  last read or wrote, another process writes the run now, and this one
+  stops (``OtherWriter``) before it mixes its files with that one's or
+  deletes what that one resumed from.
 * **Runs do not nest.** A train refuses a prefix that holds another run's
   record below it, or that lies below one: their staging folders would nest
   as well, and one run's sync would delete or upload the other's files.
@@ -28,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
+import time
 import uuid
 
 from hvd_train import files
@@ -86,17 +92,20 @@ class Record:
         run: drawn when the run starts (a fresh prefix, or ``--no-resume``); the same on every resume.
         files: paths below the prefix of the files it uploaded outside ``checkpoints/``.
         checkpoints: names of the checkpoints it uploaded, whole or in part.
+        writer: the process that writes the run now (``writer``); "" in a record of an earlier hvd_train.
     """
 
     run: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     files: set[str] = dataclasses.field(default_factory=set)
     checkpoints: set[str] = dataclasses.field(default_factory=set)
+    writer: str = ""
 
     def to_bytes(self) -> bytes:
         body = {
             "format": FORMAT,
             "version": VERSION,
             "run": self.run,
+            "writer": self.writer,
             "files": sorted(self.files),
             "checkpoints": sorted(self.checkpoints),
         }
@@ -118,7 +127,9 @@ class Record:
             for field in ("files", "checkpoints"):
                 if not isinstance(body[field], list) or not all(isinstance(rel, str) for rel in body[field]):
                     raise ValueError(f"its {field!r} is no list of names")
-            record = cls(body["run"], set(body["files"]), set(body["checkpoints"]))
+            if not isinstance(body.get("writer", ""), str):
+                raise ValueError("its writer is no string")
+            record = cls(body["run"], set(body["files"]), set(body["checkpoints"]), body.get("writer", ""))
             for rel in [*record.files, *record.checkpoints]:
                 if bad_part(rel):
                     raise ValueError(f"it lists {rel!r}")
@@ -189,27 +200,46 @@ def nesting(keys, store: storage.S3Store) -> UserError | None:
     return None
 
 
-def same_as_written(store: storage.S3Store, last: bytes, tried=()) -> None:
+def writer() -> str:
+    """A writer of a run, for its record: this process (host, pid, when), and a random part, drawn anew at each
+    start (``Mirror.check``): no other start, on any machine, writes the same."""
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return f"{socket.gethostname()} pid {os.getpid()} from {when} #{uuid.uuid4().hex[:8]}"
+
+
+def same_as_written(store: storage.S3Store, last: bytes, tried=()) -> str:
     """Checks that the record in the prefix is ``last`` (what this process last read or wrote; ``b""``: none)
-    or one of ``tried`` (writes of this process whose answer was lost), before this process writes it.
+    or one of ``tried`` (writes of this process whose answer was lost); returns its ETag ("": none).
 
     Raises:
         OtherWriter: another process wrote it.
     """
     try:
-        now = store.client.get_object(Bucket=store.bucket, Key=store.key(RECORD))["Body"].read()
+        got = store.client.get_object(Bucket=store.bucket, Key=store.key(RECORD))
+        now, etag = got["Body"].read(), got.get("ETag", "")
     except Exception as e:
         if storage.error_code(e) not in ("404", "NoSuchKey", "NotFound"):
             raise store.error(e, "read", store.key(RECORD), "--output") from None
-        now = b""
+        now, etag = b"", ""
     if now != last and now not in tried:
         what = "wrote" if now else "deleted"
         raise OtherWriter(
-            f"another process {what} {store.url}{RECORD} since this one read it: two processes write the run in "
-            f"{store.url} (a second machine resumed it, or two started it at once), which would lose each "
-            f"other's checkpoints; stop all but one, then rerun the same command to resume (or give each run "
-            f"a prefix of its own)."
+            f"another process{_who(now)} {what} {store.url}{RECORD} since this one read it: two processes write "
+            f"the run in {store.url} (a second machine resumed it, or two started it at once), which would lose "
+            f"each other's checkpoints; stop all but one, then rerun the same command to resume (or give each "
+            f"run a prefix of its own)."
         )
+    return etag
+
+
+def _who(record: bytes) -> str:
+    """`` (its writer)`` as a record names it, for messages; "" where it names none."""
+    try:
+        named = json.loads(record).get("writer")
+    except (ValueError, AttributeError):
+        return ""
+    shown = isinstance(named, str) and named and named.isprintable() and len(named) < 200  # anyone's bytes
+    return f" ({named})" if shown else ""
 
 
 def read_staged(staging: str) -> str | None:
