@@ -15,6 +15,9 @@ slower, as over a slow link. ``deny_deletes`` answers every DELETE with S3's
 403 AccessDenied, as for credentials whose policy lacks s3:DeleteObject.
 ``refuse_conditions`` answers a PUT with ``If-Match`` or ``If-None-Match``
 with 501 NotImplemented, as a store without conditional writes may.
+``lose_answers`` PUTs of a key that holds ``lose_answers_of`` go through to
+the store, but their answer is lost (the connection shut): the write is
+made, and the client cannot know.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class CuttingProxy:
         self.cut_uploads = self.upload_cuts = self.let_through = 0
         self.upload_delay = 0.0
         self.deny_deletes = self.refuse_conditions = False
+        self.lose_answers, self.lose_answers_of, self.answers_lost = 0, "", 0
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         proxy = self
@@ -77,6 +81,10 @@ class CuttingProxy:
                     headers = response.getheaders()
                 finally:
                     upstream.close()
+                if self.command == "PUT" and proxy._lose_answer(self.path):
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 cut = self.command == "GET" and proxy._cut_this(self.path, self.headers.get("Range", ""), len(data))
                 self.send_response_only(response.status, response.reason)
                 for name, value in headers:
@@ -124,6 +132,14 @@ class CuttingProxy:
                 return False
             self.cut_uploads -= self.cut_uploads > 0
             self.upload_cuts += 1
+            return True
+
+    def _lose_answer(self, path: str) -> bool:
+        with self._lock:
+            if not self.lose_answers or self.lose_answers_of not in urllib.parse.unquote(path):
+                return False
+            self.lose_answers -= self.lose_answers > 0
+            self.answers_lost += 1
             return True
 
     def _cut_this(self, path: str, byte_range: str, size: int) -> bool:

@@ -186,3 +186,27 @@ def test_a_store_without_conditional_writes_keeps_the_check_that_reads_the_recor
     finally:
         proxy.stop()
     assert prefix_checkpoints(client, bucket) == {"epoch-0001"}
+
+
+def test_a_record_write_whose_answer_was_lost_is_known_for_this_process_own(prefix, net, tmp_path, any_s3_server):
+    # The store takes the record, and the network loses its answer: botocore's retry of a conditional write then
+    # finds the record changed (by this very write), and a write that never got an answer leaves the run with
+    # no way to know what the prefix holds. Its next read-back finds this process's own record there, not
+    # another writer's.
+    url, bucket, client = prefix
+    model, optimizer = net
+    one, proxy = tmp_path / "one", CuttingProxy(any_s3_server.url)
+    mirror = remote.Mirror(url, str(one), dataclasses.replace(OPTIONS, endpoint=proxy.url))
+    try:
+        mirror.check()
+        proxy.lose_answers, proxy.lose_answers_of = 1, RECORD  # the retry gets an answer
+        assert mirror.push_checkpoint(save(one, 0, model, optimizer, epoch=1))
+        proxy.lose_answers = -1  # no write of it gets one: the checkpoint waits in the staging folder
+        assert not mirror.push_checkpoint(save(one, 0, model, optimizer, epoch=2))
+        assert proxy.answers_lost >= 3 and mirror.uploads.failed_checkpoints == 1
+        proxy.lose_answers = 0
+        assert mirror.push_checkpoint(save(one, 0, model, optimizer, epoch=3))
+    finally:
+        proxy.stop()
+    record = json.loads(client.get_object(Bucket=bucket, Key=f"runs/a/{RECORD}")["Body"].read())
+    assert "epoch-0003" in record["checkpoints"] and prefix_checkpoints(client, bucket) == {"epoch-0003"}
