@@ -78,7 +78,9 @@ def test_a_second_writer_of_a_run_stops_the_first_before_it_uploads_or_deletes_a
     before = stored(client, bucket)
     with pytest.raises(OtherWriter, match=f"^another process \\(.* pid {os.getpid()} from .*\\) wrote ") as e:
         first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=2))
-    assert f"{url}{RECORD} since this one read it" in str(e.value) and "\n" not in str(e.value)
+    assert f"{url}{RECORD} since this one read it: that process writes the run in {url} now" in str(e.value)
+    assert "and goes on" in str(e.value) and "\n" not in str(e.value)
+    assert "let that one finish (or stop it), then rerun this command to resume the run" in str(e.value)
     assert stored(client, bucket) == before
     assert second.push_checkpoint(save(two, 0, model, optimizer, keep=1, epoch=2))
     assert prefix_checkpoints(client, bucket) == {"epoch-0002"}
