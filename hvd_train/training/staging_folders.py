@@ -1,0 +1,64 @@
+"""Where a run in S3 is staged on this machine.
+
+* **Its name.** The staging folder is named after the prefix,
+  ``$HVD_TRAIN_CACHE/runs/[HOST:PORT/]BUCKET/PREFIX`` (the host of
+  ``--s3-endpoint``: two stores may each hold a bucket of one name); the
+  commands that read a run keep their copy in ``read/`` instead, apart from
+  a training's. A bucket is a folder's name too, so it is checked, and a
+  ``?`` or ``#`` (which would cut the prefix short), or credentials before
+  the bucket, refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.parse
+
+from hvd_train import files
+from hvd_train.data import storage
+from hvd_train.errors import UserError
+
+# A bucket's name as a folder's: what S3 and the stores like it allow, and never "." or "..".
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: str = "runs") -> str:
+    """The local folder the run in the S3 prefix ``url`` is staged in: ``$HVD_TRAIN_CACHE/runs/BUCKET/PREFIX``,
+    with ``HOST:PORT/`` before the bucket for a store at ``endpoint`` (``--s3-endpoint``: two stores may each
+    hold a bucket of one name). ``kind``: ``runs`` for a training's, ``read``
+    for a copy of the commands that read a run, which never rewrites a training's staging folder.
+
+    Raises:
+        UserError: ``url`` (the value of ``flag``) names no bucket and prefix that a folder can be named after.
+    """
+    parts = urllib.parse.urlsplit(url)
+    segments = parts.path.strip("/").split("/")
+    shown = storage.redact_url(url)
+    if "?" in url or "#" in url:
+        raise UserError(
+            f"{flag} {shown} holds a '?' or '#', which would cut the prefix short; name the prefix without "
+            "them, e.g. s3://my-bucket/runs/flowers."
+        )
+    if parts.username is not None or parts.password is not None:  # never shown, not even in part
+        raise UserError(
+            f"{flag} holds user:password@ before its bucket (shown without it: {shown}): S3 credentials never go "
+            f"in a URL, they come from the AWS chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, an "
+            f"instance role); give {flag} {shown}."
+        )
+    bucket = parts.netloc
+    if (
+        not _BUCKET.fullmatch(bucket)
+        or bucket in (".", "..")
+        or not parts.path.strip("/")
+        or any(s in ("", ".", "..") for s in segments)
+    ):
+        raise UserError(
+            f"{flag} {shown} must name a bucket and a prefix: a bucket of letters, digits, '.', '-' or '_', a "
+            "prefix without empty, '.' or '..' parts, e.g. s3://my-bucket/runs/flowers."
+        )
+    store = []
+    if endpoint:
+        at = urllib.parse.urlsplit(endpoint)
+        store = [f"{at.hostname or 'endpoint'}:{at.port or (443 if at.scheme == 'https' else 80)}"]
+    return os.path.join(files.cache_base(), kind, *store, bucket, *segments)
