@@ -143,7 +143,7 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
     assert not [key for key in stored(client, bucket) if key.startswith("sub/")]
     # An inner run an earlier hvd_train let start: the outer one is refused in turn ...
     inner = remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS)
-    (tmp_path / "outer" / "sub").mkdir()
+    (tmp_path / "outer" / "sub").mkdir(exist_ok=True)  # its check() made it
     (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n")
     assert inner.push_checkpoint(save(tmp_path / "outer" / "sub", 0, model, optimizer, epoch=1))
     with pytest.raises(UserError, match=f"^--output {re.escape(url)} holds another run, in {re.escape(inner_url)} "):
@@ -212,3 +212,54 @@ def test_a_record_write_whose_answer_was_lost_is_known_for_this_process_own(pref
         proxy.stop()
     record = json.loads(client.get_object(Bucket=bucket, Key=f"runs/a/{RECORD}")["Body"].read())
     assert "epoch-0003" in record["checkpoints"] and prefix_checkpoints(client, bucket) == {"epoch-0003"}
+
+
+def test_a_writer_that_lost_the_run_deletes_nothing_from_the_prefix(prefix, net, tmp_path):
+    # Deletes act on the record as this process read it, maybe minutes before: --no-resume's (read at its start,
+    # acted on once training starts), a prune after an upload, the end's. Another writer that took the run up
+    # meanwhile may have resumed from what they would delete.
+    url, bucket, client = prefix
+    model, optimizer = net
+    one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
+    first = remote.Mirror(url, str(one), OPTIONS)
+    first.check()
+    assert first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=1))
+    # --no-resume on machine A, which checked the prefix as it started, and B resumes before A's training starts.
+    restart, second = remote.Mirror(url, str(one), OPTIONS), remote.Mirror(url, str(two), OPTIONS)
+    restart.check()
+    second.check()
+    assert second.pull() == "epoch-0001"
+    with pytest.raises(OtherWriter):
+        restart.remove_checkpoints()
+    assert prefix_checkpoints(client, bucket) == {"epoch-0001"}
+    # C takes the run up from B while B uploads epoch-0002, which has no manifest yet, and resumes from
+    # epoch-0001: B's prune (--keep-checkpoints 1) would delete it.
+    third, taken = remote.Mirror(url, str(three), OPTIONS), []
+    upload = second._upload
+
+    def and_meanwhile_c_starts(path, rel):
+        if rel == f"checkpoints/epoch-0002/{checkpoints.STATE_FILE}":
+            third.check()
+            taken.append(third.pull())
+        upload(path, rel)
+
+    second._upload = and_meanwhile_c_starts
+    with pytest.raises(OtherWriter):
+        second.push_checkpoint(save(two, 0, model, optimizer, keep=1, epoch=2))
+    assert taken == ["epoch-0001"] and "epoch-0001" in prefix_checkpoints(client, bucket)
+    # D takes the run up from C as C's end uploads summary.json: C's end deletes no file of the run.
+    (three / "features.keras").write_bytes(b"the model, saved as a head's files first")
+    assert third.push_checkpoint(save(three, 0, model, optimizer, keep=1, epoch=3))
+    (three / "features.keras").unlink()  # ... and whole at the end
+    (three / "model.keras").write_bytes(b"the model")
+    upload = third._upload
+
+    def and_meanwhile_d_starts(path, rel):
+        upload(path, rel)
+        if rel == "summary.json":
+            remote.Mirror(url, str(tmp_path / "four"), OPTIONS).check()
+
+    third._upload = and_meanwhile_d_starts
+    with pytest.raises(OtherWriter):
+        third.finish({})
+    assert "features.keras" in stored(client, bucket)

@@ -1,8 +1,12 @@
 """The staging folder of a run in S3 (``training.remote``): what it keeps and gives back, in one process against
 each real test S3 server (moto, rclone)."""
 
+import contextlib
 import errno
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -10,6 +14,7 @@ from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 
+from conftest import job_env, kill_group
 from s3_runs import OPTIONS, fresh_prefix, save, stored
 
 
@@ -17,6 +22,12 @@ from s3_runs import OPTIONS, fresh_prefix, save, stored
 def prefix(any_s3_server, monkeypatch):
     """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
     return fresh_prefix(any_s3_server, monkeypatch)
+
+
+@pytest.fixture
+def moto_prefix(s3_server, monkeypatch):
+    """A fresh prefix in moto: for what no S3 server's answer changes."""
+    return fresh_prefix(s3_server, monkeypatch)
 
 
 @pytest.fixture
@@ -81,3 +92,56 @@ def test_a_file_whose_name_no_key_may_have_stays_in_the_staging_folder_with_a_wa
     assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
     assert "metrics.csv" in stored(client, bucket) and not [k for k in stored(client, bucket) if "ppp" in k]
     assert caplog.text.count(f"pictures/{long_name} of {staging} is not uploaded to {url}: its name has a part") == 1
+
+
+@contextlib.contextmanager
+def another_process(script: str, *args: str):
+    """``script`` run by another Python process of this machine (the test server in its environment, as in this
+    one's), from when it prints its first line; it goes on with each line written to it, and ends with this
+    block."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=job_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n", "the other process did not start (see its stderr)"
+        yield proc
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_group(proc)
+
+
+# A training of the run in argv[1] staged in argv[2], still running: what its check() does first (TensorFlow,
+# which the rest of it loads, takes seconds to start).
+TRAINS = """
+import sys
+from hvd_train.training import staging_folders
+staging_folders.hold(sys.argv[2], sys.argv[1])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_training_of_one_output_on_one_machine_stops_before_it_touches_the_first_ones_staging_folder(
+    moto_prefix, tmp_path
+):
+    # A requeued job whose earlier one still runs, or the same command launched twice: a resume makes the
+    # staging folder a copy of the prefix, and would replace or remove what the first has not uploaded yet.
+    # S3 cannot tell: the first has written nothing since. The second stops, naming the folder.
+    url, _, _ = moto_prefix
+    staging = tmp_path / "one"
+    with another_process(TRAINS, url, str(staging)):
+        (staging / "metrics.csv").write_text("epoch\n1\n")  # the running one's, not uploaded yet
+        for step in ("check", "pull"):
+            again = remote.Mirror(url, str(staging), OPTIONS)
+            refused = f"^the staging folder {re.escape(str(staging))} of --output {re.escape(url.rstrip('/'))} is used"
+            with pytest.raises(UserError, match=refused) as e:
+                getattr(again, step)()
+            assert "let that one end (or stop it), then rerun this command" in str(e.value)
+        assert (staging / "metrics.csv").read_text() == "epoch\n1\n"
+    remote.Mirror(url, str(staging), OPTIONS).check()  # it ended: nothing of it stays held

@@ -358,6 +358,10 @@ class Prefix:
         return sorted(changed, key=lambda rel: rel == SUMMARY)
 
     def _delete_checkpoint(self, name: str, keys) -> None:
+        """Checkpoint ``name`` deleted from the prefix, its manifest first, once the record is read back as this
+        process's (``_ours``): a record read minutes ago (``--no-resume``, a prune) may be another writer's now,
+        and the checkpoint the one it resumed from."""
+        self._ours()
         manifest = f"{CHECKPOINTS}{name}/{checkpoints.STATE_FILE}"
         if manifest in keys:
             self.store.delete(manifest)

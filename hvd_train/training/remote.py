@@ -46,7 +46,7 @@ from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.training import prefix, run_record
+from hvd_train.training import prefix, run_record, staging_folders
 from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY, checkpoints  # noqa: F401  (PART_BYTES: tests)
 from hvd_train.training.staging_folders import staging_folder
 
@@ -124,6 +124,7 @@ class Mirror(prefix.Prefix):
         """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
         before records were kept), with no run below or around it, and can be written (its record is); or a
         ``UserError`` that says why."""
+        staging_folders.hold(self.staging, self.url)  # first: another process of this machine may stage it too
         listed = self.store.list_with_etags("--output")
         refused = run_record.nesting(listed, self.store)
         keys = self._keys(listed)
@@ -144,6 +145,7 @@ class Mirror(prefix.Prefix):
         the staging folder, of the same run, goes up with the outputs beside it (``_push_ahead``). Returns
         the checkpoint's name; None (and no checkpoint in the staging folder) when there is none.
         """
+        staging_folders.hold(self.staging, self.url)
         keys = self._keys()
         if self._record is None:
             self._load_record(keys)
@@ -189,6 +191,7 @@ class Mirror(prefix.Prefix):
         """``--no-resume``: the staging folder made a copy of the prefix's files, checkpoints aside, so that the
         run starts over beside them as in a folder on disk (a finished run's model, and what describes it,
         stay until the new run's end replaces them)."""
+        staging_folders.hold(self.staging, self.url)
         keys = self._keys()
         if self._record is None:
             self._load_record(keys)
@@ -343,8 +346,9 @@ class Mirror(prefix.Prefix):
         return True
 
     def _prune(self, keep: set[str]) -> None:
-        """Deletes the run's checkpoints in the prefix not in ``keep``: ``state.json`` first, then the rest. A
-        delete that fails (a policy without s3:DeleteObject) is a warning: they are only older."""
+        """Deletes the run's checkpoints in the prefix not in ``keep``: ``state.json`` first, then the rest (each
+        once the record is read back as this process's). A delete that fails (a policy without s3:DeleteObject)
+        is a warning: they are only older."""
         try:
             keys = self._keys()
             _, names = self._checkpoint_names(keys)
@@ -352,6 +356,8 @@ class Mirror(prefix.Prefix):
             for name in sorted(self.record.checkpoints - keep):
                 self._delete_checkpoint(name, keys)
                 self.record.checkpoints.discard(name)  # the record says so with the next upload
+        except run_record.OtherWriter:
+            raise
         except UserError as e:
             log.warning("older checkpoints stay in %s%s: %s", self.url, CHECKPOINTS, e)
 
@@ -394,6 +400,7 @@ class Mirror(prefix.Prefix):
             keys = self._keys()
             for rel in sorted(self.record.files - kept):
                 if rel in keys:
+                    self._ours()  # the record read minutes ago may no longer be the run's
                     self.store.delete(rel)
                 self.record.files.discard(rel)
             self._put_record()

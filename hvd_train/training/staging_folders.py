@@ -1,4 +1,4 @@
-"""Where a run in S3 is staged on this machine.
+"""Where a run in S3 is staged on this machine, and which process holds the staging folder.
 
 * **Its name.** The staging folder is named after the prefix,
   ``$HVD_TRAIN_CACHE/runs/[HOST:PORT/]BUCKET/PREFIX`` (the host of
@@ -7,10 +7,19 @@
   a training's. A bucket is a folder's name too, so it is checked, and a
   ``?`` or ``#`` (which would cut the prefix short), or credentials before
   the bucket, refused.
+* **One process holds it.** A staging folder is rewritten by the process
+  that stages the run (a resume makes it a copy of the prefix, removing
+  what the prefix lacks), so a process holds a lock on it (``flock`` of its
+  ``.hvd_train-lock``) from its first use to its end. A training whose
+  folder another process on the machine holds (the same command launched
+  twice, a requeued job whose earlier one still runs) stops before it
+  changes anything, here or in the prefix.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import re
 import urllib.parse
@@ -18,6 +27,13 @@ import urllib.parse
 from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("output")
+
+LOCK = ".hvd_train-lock"
+_held: dict[str, int] = {}  # the real path of a staging folder -> its lock's descriptor (-1: none), held here
+
 
 # A bucket's name as a folder's: what S3 and the stores like it allow, and never "." or "..".
 _BUCKET = re.compile(r"[A-Za-z0-9._-]+")
@@ -62,3 +78,43 @@ def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: s
         at = urllib.parse.urlsplit(endpoint)
         store = [f"{at.hostname or 'endpoint'}:{at.port or (443 if at.scheme == 'https' else 80)}"]
     return os.path.join(files.cache_base(), kind, *store, bucket, *segments)
+
+
+def hold(folder: str, url: str) -> None:
+    """This process holds the staging folder ``folder`` of the run in ``url`` (``--output``) until it ends.
+
+    Raises:
+        UserError: another process of this machine holds it.
+    """
+    if not _take(folder):
+        raise UserError(
+            f"the staging folder {folder} of --output {url.rstrip('/')} is used by another process of this "
+            f"machine (the same run started twice, or a requeued job whose earlier one still runs), which would "
+            f"lose what it has not uploaded yet; let that one end (or stop it), then rerun this command."
+        )
+
+
+def _take(folder: str) -> bool:
+    """Whether this process holds ``folder`` (made where it is not there), or now takes it; False where another
+    process holds it. A file system without locks (some network ones) holds nothing: a warning says so."""
+    key = os.path.realpath(folder)
+    if key in _held:
+        return True
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(
+            f"cannot write to the staging folder {folder} ({e.strerror or e}); set HVD_TRAIN_CACHE to a folder "
+            f"that can be written."
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        log.warning("cannot lock the staging folder %s (%s): another process may use it too", folder, e.strerror)
+        fd = -1
+    _held[key] = fd  # closed, and the lock with it, when the process ends
+    return True
