@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 
 from conftest import job_env, kill_group
-from s3_runs import OPTIONS, fresh_prefix, save, stored
+from s3_runs import OPTIONS, finished_run, fresh_prefix, save, stored
 
 
 @pytest.fixture
@@ -145,3 +146,35 @@ def test_a_second_training_of_one_output_on_one_machine_stops_before_it_touches_
             assert "let that one end (or stop it), then rerun this command" in str(e.value)
         assert (staging / "metrics.csv").read_text() == "epoch\n1\n"
     remote.Mirror(url, str(staging), OPTIONS).check()  # it ended: nothing of it stays held
+
+
+# A command that reads the run in argv[1] (an evaluate), its evaluation.json written but not uploaded yet; it
+# uploads it once told to go on.
+EVALUATES = """
+import os, sys
+from hvd_train.data.storage import S3Options
+from hvd_train.training import remote
+folder, mirror = remote.open_run(sys.argv[1], S3Options(max_attempts=2))
+with open(os.path.join(folder, "evaluation.json"), "w") as f:
+    f.write('{"accuracy": 0.5}')
+print("ready", flush=True)
+sys.stdin.readline()
+mirror.push_outputs()
+"""
+
+
+def test_commands_that_read_one_run_at_once_on_one_machine_lose_none_of_each_others_files(
+    moto_prefix, net, tmp_path, monkeypatch
+):
+    # Each copies the run where no other process of the machine works: in one folder, a report's copy of the
+    # run would remove the evaluation.json of an evaluate that has not uploaded it yet (it is not the run's).
+    url, bucket, client = moto_prefix
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    finished_run(tmp_path / "one", url, *net)
+    with another_process(EVALUATES, url):
+        run_dir, mirror = remote.open_run(url, OPTIONS)  # a report, meanwhile
+        (Path(run_dir) / "report.html").write_text("<html></html>")
+        mirror.push_outputs()
+        assert remote.open_run(url, OPTIONS)[0] == run_dir  # this process's copy, as long as it runs
+    assert {"evaluation.json", "report.html"} <= set(stored(client, bucket))
+    assert run_dir == remote.staging_folder(url, kind="read+1")

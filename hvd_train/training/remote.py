@@ -85,12 +85,13 @@ def open_run(
 ) -> tuple[str, Mirror | None]:
     """A trained run for ``predict``, ``evaluate``, ``report`` and ``export``: a folder as it is, or
     an S3 prefix as a copy of its finished run (checkpoints aside) in a staging folder of its own (a
-    training of the prefix on this machine keeps its files in another), with the mirror that uploads
-    what the command adds (``push_outputs``)."""
+    training of the prefix on this machine keeps its files in another; another command that reads it, in
+    another copy: ``staging_folders.for_reading``), with the mirror that uploads what the command adds
+    (``push_outputs``)."""
     if not storage.is_s3(path):
         return path, None
     options = options or storage.S3Options()
-    staging = staging_folder(path, options.endpoint, flag, kind="read")
+    staging = staging_folders.for_reading(path, options.endpoint, flag)
     mirror = Mirror(path.rstrip("/") + "/", staging, options, run=False)
     mirror.sync_outputs()
     return mirror.staging, mirror

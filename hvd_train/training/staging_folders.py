@@ -13,13 +13,16 @@
   ``.hvd_train-lock``) from its first use to its end. A training whose
   folder another process on the machine holds (the same command launched
   twice, a requeued job whose earlier one still runs) stops before it
-  changes anything, here or in the prefix.
+  changes anything, here or in the prefix. A command that reads a run takes
+  the next copy no process holds (``read+1/``, ``read+2/``...) instead: none
+  removes the files another has not uploaded yet, and none waits.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import re
 import urllib.parse
@@ -42,7 +45,7 @@ _BUCKET = re.compile(r"[A-Za-z0-9._-]+")
 def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: str = "runs") -> str:
     """The local folder the run in the S3 prefix ``url`` is staged in: ``$HVD_TRAIN_CACHE/runs/BUCKET/PREFIX``,
     with ``HOST:PORT/`` before the bucket for a store at ``endpoint`` (``--s3-endpoint``: two stores may each
-    hold a bucket of one name). ``kind``: ``runs`` for a training's, ``read``
+    hold a bucket of one name). ``kind``: ``runs`` for a training's, ``read`` (``read+1``...: ``for_reading``)
     for a copy of the commands that read a run, which never rewrites a training's staging folder.
 
     Raises:
@@ -92,6 +95,16 @@ def hold(folder: str, url: str) -> None:
             f"machine (the same run started twice, or a requeued job whose earlier one still runs), which would "
             f"lose what it has not uploaded yet; let that one end (or stop it), then rerun this command."
         )
+
+
+def for_reading(url: str, endpoint: str = "", flag: str = "--model-dir") -> str:
+    """The folder a command that reads the run in ``url`` copies it into, held by this process until it ends:
+    ``read/...``, or where another process of this machine holds that one, ``read+1/...``, ``read+2/...``."""
+    for slot in itertools.count():
+        folder = staging_folder(url, endpoint, flag, kind=f"read+{slot}" if slot else "read")
+        if _take(folder):
+            return folder
+    raise AssertionError("unreachable")
 
 
 def _take(folder: str) -> bool:
