@@ -14,6 +14,7 @@ import pytest
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
+from hvd_train.training.run_record import RECORD
 
 from conftest import job_env, kill_group
 from s3_runs import OPTIONS, finished_run, fresh_prefix, save, stored
@@ -178,3 +179,23 @@ def test_commands_that_read_one_run_at_once_on_one_machine_lose_none_of_each_oth
         assert remote.open_run(url, OPTIONS)[0] == run_dir  # this process's copy, as long as it runs
     assert {"evaluation.json", "report.html"} <= set(stored(client, bucket))
     assert run_dir == remote.staging_folder(url, kind="read+1")
+
+
+def test_a_staging_folder_of_the_run_under_another_id_keeps_what_an_outage_kept_back(prefix, net, tmp_path):
+    # The record deleted (as the error of a record no run writes advises), the run's next start draws a new id,
+    # and the staging folder's copy names the one before. A checkpoint of it that the prefix holds byte for byte
+    # says it is the run's all the same: the newer one that an outage kept back goes up.
+    url, bucket, client = prefix
+    model, optimizer = net
+    staging = tmp_path / "one"
+    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror.check()
+    (staging / "run_config.yaml").write_text("model:\n  name: a-model\n")
+    for epoch in (1, 2):
+        assert mirror.push_checkpoint(save(staging, 0, model, optimizer, keep=3, epoch=epoch))
+    kept_back = os.path.basename(save(staging, 0, model, optimizer, keep=3, epoch=3))
+    client.delete_object(Bucket=bucket, Key=f"runs/a/{RECORD}")
+    again = remote.Mirror(url, str(staging), OPTIONS)
+    again.check()
+    assert again.pull() == kept_back
+    assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in stored(client, bucket)

@@ -213,10 +213,11 @@ class Mirror(prefix.Prefix):
         return [name for name in complete if name in self.record.checkpoints]
 
     def _adopt_earlier_staging(self, complete: list[str]) -> None:
-        """A staging folder without a copy of the record (an earlier hvd_train's) is of the prefix's run where
-        one of its checkpoints is complete in the prefix with the same manifest, byte for byte (its time and
-        checksums are no other run's): its newer checkpoints, which an outage kept back, are the run's too."""
-        if self._staged_run is not None:
+        """A staging folder whose copy of the record names another run id, or none (an earlier hvd_train's; a
+        record deleted, whose run drew a new id), is of the prefix's run where one of its checkpoints is
+        complete in the prefix with the same manifest, byte for byte (its time and checksums are no other
+        run's): its newer checkpoints, which an outage kept back, are the run's too."""
+        if self._staged_run == self.record.run:
             return
         for path in checkpoints.candidates(self.staging):
             name = os.path.basename(path)
