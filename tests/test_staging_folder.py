@@ -2,6 +2,7 @@
 each real test S3 server (moto, rclone)."""
 
 import contextlib
+import dataclasses
 import errno
 import os
 import re
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from hvd_train import config
 from hvd_train.compat import keras
+from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
-from hvd_train.training import checkpoints, remote
+from hvd_train.training import checkpoints, remote, stages
 from hvd_train.training.run_record import RECORD
 
 from conftest import job_env, kill_group
@@ -199,3 +202,37 @@ def test_a_staging_folder_of_the_run_under_another_id_keeps_what_an_outage_kept_
     again.check()
     assert again.pull() == kept_back
     assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in stored(client, bucket)
+
+
+def test_a_run_staged_before_the_store_was_in_the_staging_folders_name_keeps_what_an_outage_kept_back(
+    moto_prefix, net, tmp_path, monkeypatch, s3_server
+):
+    # An hvd_train before staged a run with --s3-endpoint in runs/BUCKET/PREFIX, as one without; the same
+    # command now stages it in runs/HOST:PORT/BUCKET/PREFIX. The checkpoint an outage kept back in the folder
+    # before, and the outputs beside it, are the run's: they move to the new one and go up. A folder there of
+    # another run (another store's bucket of the same name) stays as it is.
+    url, bucket, client = moto_prefix
+    model, optimizer = net
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    at_endpoint = dataclasses.replace(OPTIONS, endpoint=s3_server.url)
+    beside = url.replace("/runs/a/", "/runs/b/")
+    before, other = Path(remote.staging_folder(url)), Path(remote.staging_folder(beside))
+    mirror = remote.Mirror(url, str(before), at_endpoint)
+    mirror.check()
+    (before / "run_config.yaml").write_text("model:\n  name: a-model\n")
+    for epoch in (1, 2):
+        assert mirror.push_checkpoint(save(before, 0, model, optimizer, keep=3, epoch=epoch))
+    kept_back = os.path.basename(save(before, 0, model, optimizer, keep=3, epoch=3))
+    (before / "metrics.csv").write_text("epoch\n1\n2\n3\n")
+    save(other, 0, model, optimizer, epoch=4)
+    for output in (url, beside):
+        values = {"data": {"train": str(tmp_path / "images"), "s3_endpoint": s3_server.url}, "run": {"output": output}}
+        cfg = remote.stage(config.build(values))
+        stages.prepare_output(cfg, Context())
+    assert os.path.basename(remote.latest_checkpoint(remote.staging_folder(url, s3_server.url)).path) == kept_back
+    keys = stored(client, bucket)
+    assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in keys
+    assert client.get_object(Bucket=bucket, Key="runs/a/metrics.csv")["Body"].read() == b"epoch\n1\n2\n3\n"
+    assert not (before / "checkpoints" / kept_back).exists()
+    assert (other / "checkpoints" / "epoch-0004").is_dir()

@@ -61,7 +61,9 @@ def stage(cfg):
     if not storage.is_s3(url):
         return cfg
     staging = staging_folder(url, cfg.data.s3_endpoint)
-    _mirrors[os.path.abspath(staging)] = Mirror(url.rstrip("/") + "/", staging, cfg.data.s3_options())
+    mirror = Mirror(url.rstrip("/") + "/", staging, cfg.data.s3_options())
+    mirror.earlier = staging_folders.earlier(url, cfg.data.s3_endpoint)
+    _mirrors[os.path.abspath(staging)] = mirror
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output=staging))
 
 
@@ -120,6 +122,7 @@ class Mirror(prefix.Prefix):
     prunes and deletes what it no longer needs; used by rank 0 only."""
 
     pulled: str | None = None  # the checkpoint ``pull`` took, which the resume must restore
+    earlier = ""  # where an hvd_train before staged the run, where elsewhere (``staging_folders.earlier``)
 
     def check(self) -> None:
         """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
@@ -151,6 +154,7 @@ class Mirror(prefix.Prefix):
         if self._record is None:
             self._load_record(keys)
         complete = self._complete(keys)
+        self._move_earlier_staging(complete)
         self._adopt_earlier_staging(complete)
         ahead = self._ahead(complete)
         if ahead is not None:
@@ -211,6 +215,25 @@ class Mirror(prefix.Prefix):
                 run_record.RECORD,
             )
         return [name for name in complete if name in self.record.checkpoints]
+
+    def _move_earlier_staging(self, complete: list[str]) -> None:
+        """``--s3-endpoint``: where the staging folder holds no run yet, and the one an hvd_train before staged the
+        run in (``staging_folders.earlier``) holds this one's (by its id, or a checkpoint the prefix holds byte
+        for byte; not another store's run of a bucket of the same name), that one's checkpoints and files are
+        moved here: an outage's kept-back checkpoint, and the outputs beside it, go up as they would have."""
+        source = self.earlier
+        if not source or os.path.exists(os.path.join(self.staging, run_record.RECORD)) or not os.path.isdir(source):
+            return
+        found = [(os.path.basename(path), path) for path in checkpoints.candidates(source)]
+        ours = run_record.read_staged(source) == self.record.run
+        if not (ours or any(name in complete and self._same_manifest(name, path) for name, path in found)):
+            return
+        if not staging_folders.take(source):  # a training of the same prefix without --s3-endpoint, running
+            log.warning("the staging folder %s of an earlier hvd_train is used by another process: left alone", source)
+            return
+        log.info("moving the run's staging folder of an earlier hvd_train, %s, to %s", source, self.staging)
+        staging_folders.move_in(source, self.staging)
+        self._staged_run = run_record.read_staged(self.staging)
 
     def _adopt_earlier_staging(self, complete: list[str]) -> None:
         """A staging folder whose copy of the record names another run id, or none (an earlier hvd_train's; a

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -31,6 +32,7 @@ from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.training.run_record import RECORD
 
 log = get_logger("output")
 
@@ -83,13 +85,36 @@ def staging_folder(url: str, endpoint: str = "", flag: str = "--output", kind: s
     return os.path.join(files.cache_base(), kind, *store, bucket, *segments)
 
 
+def earlier(url: str, endpoint: str) -> str:
+    """Where an hvd_train before the store's host was in the staging folder's name staged the run in ``url`` of
+    the store at ``endpoint`` (``--s3-endpoint``): ``runs/BUCKET/PREFIX``; "" without ``endpoint``, whose
+    staging folder that is now too."""
+    return staging_folder(url) if endpoint else ""
+
+
+def move_in(source: str, target: str) -> None:
+    """Everything of the staging folder ``source`` (checkpoints, files, its copy of the record) moved into the
+    staging folder ``target``, on the same file system; other staging folders inside ``source`` (of a run of a
+    prefix below) stay where they are."""
+    for folder, dirs, names in os.walk(source):
+        dirs[:] = [d for d in dirs if not os.path.exists(os.path.join(folder, d, RECORD))]
+        into = os.path.join(target, os.path.relpath(folder, source))
+        os.makedirs(into, exist_ok=True)
+        for name in names:
+            if name != LOCK:
+                os.replace(os.path.join(folder, name), os.path.join(into, name))
+    for folder, _, _ in os.walk(source, topdown=False):
+        with contextlib.suppress(OSError):  # one that is not empty (the lock's, another staging folder's) stays
+            os.rmdir(folder)
+
+
 def hold(folder: str, url: str) -> None:
     """This process holds the staging folder ``folder`` of the run in ``url`` (``--output``) until it ends.
 
     Raises:
         UserError: another process of this machine holds it.
     """
-    if not _take(folder):
+    if not take(folder):
         raise UserError(
             f"the staging folder {folder} of --output {url.rstrip('/')} is used by another process of this "
             f"machine (the same run started twice, or a requeued job whose earlier one still runs), which would "
@@ -102,12 +127,12 @@ def for_reading(url: str, endpoint: str = "", flag: str = "--model-dir") -> str:
     ``read/...``, or where another process of this machine holds that one, ``read+1/...``, ``read+2/...``."""
     for slot in itertools.count():
         folder = staging_folder(url, endpoint, flag, kind=f"read+{slot}" if slot else "read")
-        if _take(folder):
+        if take(folder):
             return folder
     raise AssertionError("unreachable")
 
 
-def _take(folder: str) -> bool:
+def take(folder: str) -> bool:
     """Whether this process holds ``folder`` (made where it is not there), or now takes it; False where another
     process holds it. A file system without locks (some network ones) holds nothing: a warning says so."""
     key = os.path.realpath(folder)
