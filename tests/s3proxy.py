@@ -15,6 +15,8 @@ slower, as over a slow link. ``deny_deletes`` answers every DELETE with S3's
 403 AccessDenied, as for credentials whose policy lacks s3:DeleteObject.
 ``refuse_conditions`` answers a PUT with ``If-Match`` or ``If-None-Match``
 with 501 NotImplemented, as a store without conditional writes may.
+``deny_heads_outside`` (a key prefix) answers a HEAD of any other key with
+403 and no body, as for credentials whose policy ends at a prefix.
 ``lose_answers`` PUTs of a key that holds ``lose_answers_of`` go through to
 the store, but their answer is lost (the connection shut): the write is
 made, and the client cannot know.
@@ -47,6 +49,7 @@ class CuttingProxy:
         self.cut_uploads = self.upload_cuts = self.let_through = 0
         self.upload_delay = 0.0
         self.deny_deletes = self.refuse_conditions = False
+        self.deny_heads_outside = ""
         self.lose_answers, self.lose_answers_of, self.answers_lost = 0, "", 0
         self._broken: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -68,6 +71,9 @@ class CuttingProxy:
                 if self.command == "PUT":
                     time.sleep(proxy.upload_delay)
                 if self.command == "DELETE" and proxy.deny_deletes:
+                    return self.error(403, "AccessDenied")
+                key = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path.lstrip("/").partition("/")[2])
+                if self.command == "HEAD" and proxy.deny_heads_outside and not key.startswith(proxy.deny_heads_outside):
                     return self.error(403, "AccessDenied")
                 conditional = "If-Match" in self.headers or "If-None-Match" in self.headers
                 if self.command == "PUT" and conditional and proxy.refuse_conditions:

@@ -137,17 +137,26 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
     model, optimizer = net
     monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
     finished_run(tmp_path / "outer", url, model, optimizer)
-    inner_url = f"{url}sub/"
-    with pytest.raises(UserError, match=f"^--output {re.escape(inner_url)} is inside the run in {re.escape(url)} "):
+    inner_url, moved = f"{url}sub/", f"s3://{bucket}/runs/a-sub/"
+    how = f"move it out (aws s3 mv --recursive {inner_url} {moved}) and resume it with --output {moved}."
+    with pytest.raises(
+        UserError, match=f"^--output {re.escape(inner_url)} is inside the run in {re.escape(url)} "
+    ) as e:
         remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS).check()
+    assert str(e.value).endswith(f"to resume this run (an earlier hvd_train let it start there), {how}")
     assert not [key for key in stored(client, bucket) if key.startswith("sub/")]
     # An inner run an earlier hvd_train let start: the outer one is refused in turn ...
     inner = remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS)
     (tmp_path / "outer" / "sub").mkdir(exist_ok=True)  # its check() made it
     (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n")
     assert inner.push_checkpoint(save(tmp_path / "outer" / "sub", 0, model, optimizer, epoch=1))
-    with pytest.raises(UserError, match=f"^--output {re.escape(url)} holds another run, in {re.escape(inner_url)} "):
+    with pytest.raises(
+        UserError, match=f"^--output {re.escape(url)} holds another run, in {re.escape(inner_url)} "
+    ) as e:
         remote.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
+    assert str(e.value).endswith(
+        f"to resume both (an earlier hvd_train let them nest), {how.replace('it out', 'the inner one out')}"
+    )
     # ... and where it resumes all the same (a check of an earlier hvd_train), it neither takes the inner
     # run's files for its own nor touches its staging folder: the inner metrics.csv that an outage kept back.
     (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n2\n")
@@ -166,6 +175,16 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
     assert open(os.path.join(staged, "metrics.csv")).read() == "epoch\n1\n2\n3\n"
     assert run_dir != staged
     assert os.path.isfile(os.path.join(run_dir, "summary.json")) and not os.path.exists(os.path.join(run_dir, "sub"))
+    # Moved out as the errors say (aws s3 mv: a copy and a delete of each key), both resume.
+    for key in [k for k in stored(client, bucket) if k.startswith("sub/")]:
+        client.copy_object(
+            Bucket=bucket, Key=f"runs/a-sub/{key[4:]}", CopySource={"Bucket": bucket, "Key": f"runs/a/{key}"}
+        )
+        client.delete_object(Bucket=bucket, Key=f"runs/a/{key}")
+    remote.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
+    inner = remote.Mirror(moved, str(tmp_path / "moved"), OPTIONS)
+    inner.check()
+    assert inner.pull() == "epoch-0001"
 
 
 def test_a_store_without_conditional_writes_keeps_the_check_that_reads_the_record_back(
@@ -263,3 +282,17 @@ def test_a_writer_that_lost_the_run_deletes_nothing_from_the_prefix(prefix, net,
     with pytest.raises(OtherWriter):
         third.finish({})
     assert "features.keras" in stored(client, bucket)
+
+
+def test_credentials_that_may_not_look_above_the_prefix_find_no_run_around_it(prefix, tmp_path, any_s3_server):
+    # A train looks for a run around its prefix with a HEAD of each parent's record; a policy that ends at the
+    # prefix answers 403 to those: there is no run it could write into, and the train goes on.
+    url, bucket, client = prefix
+    inner = f"{url}deep/run/"
+    proxy = CuttingProxy(any_s3_server.url)
+    proxy.deny_heads_outside = "runs/a/deep/run/"
+    try:
+        remote.Mirror(inner, str(tmp_path / "one"), dataclasses.replace(OPTIONS, endpoint=proxy.url)).check()
+    finally:
+        proxy.stop()
+    assert f"deep/run/{RECORD}" in stored(client, bucket)

@@ -173,14 +173,17 @@ def nested_runs(keys) -> list[str]:
 def nesting(keys, store: storage.S3Store) -> UserError | None:
     """Why a train must not write to ``store``'s prefix, which holds ``keys``, for the runs around it: one
     below it (a record in ``keys``) or one it lies in (a record in a parent prefix, one HEAD each); None
-    where no run is. A HEAD the credentials may not make (403) finds none: a policy may end at the prefix."""
+    where no run is. A HEAD the credentials may not make (403) finds none: a policy may end at the prefix.
+    Runs that an earlier hvd_train let nest are told how to move the inner one out, so that both resume."""
     url = store.url
     below = nested_runs(keys)
     if below:
+        out = f"{url.rstrip('/')}-{below[0].rstrip('/').replace('/', '-')}/"
         return UserError(
             f"--output {url} holds another run, in {url}{below[0]} (its {RECORD}): runs in S3 may not nest, as "
             f"one run's uploads and deletes would meet the other's files; give --output a prefix beside it, "
-            f"e.g. {url.rstrip('/')}-2/."
+            f"e.g. {url.rstrip('/')}-2/, or, to resume both (an earlier hvd_train let them nest), move the inner "
+            f"one out (aws s3 mv --recursive {url}{below[0]} {out}) and resume it with --output {out}."
         )
     parts = store.prefix.rstrip("/").split("/")
     for depth in range(len(parts) - 1, 0, -1):
@@ -192,10 +195,12 @@ def nesting(keys, store: storage.S3Store) -> UserError | None:
                 continue
             raise store.error(e, "read", parent + RECORD, "--output") from None
         outer = f"s3://{store.bucket}/{parent}"
+        out = f"s3://{store.bucket}/{parent.rstrip('/')}-{'-'.join(parts[depth:])}/"
         return UserError(
             f"--output {url} is inside the run in {outer} (its {RECORD}): runs in S3 may not nest, as one run's "
-            f"uploads and deletes would meet the other's files; give --output a prefix outside it, e.g. "
-            f"s3://{store.bucket}/{parent.rstrip('/')}-{parts[-1]}/."
+            f"uploads and deletes would meet the other's files; give --output a prefix outside it, e.g. {out}, "
+            f"or, to resume this run (an earlier hvd_train let it start there), move it out (aws s3 mv "
+            f"--recursive {url} {out}) and resume it with --output {out}."
         )
     return None
 
