@@ -27,8 +27,9 @@ uploads what changed there at every checkpoint, and everything at the end.
   started over would prune the prefix's checkpoints with its first upload.
 * A prefix holds the run alone (``prefix``, ``run_record``): its keys must be
   file names of the staging folder, the run deletes only what its record
-  says it uploaded, and one process writes it; a train refuses a prefix that
-  holds something else, or another run below or around it.
+  says it uploaded, and one process writes it (on one machine, the one that
+  holds its staging folder: ``staging_folders``); a train refuses a prefix
+  that holds something else, or another run below or around it.
 * Large files go up as multipart uploads (boto3's transfer manager).
   ``summary.json`` counts the uploads (``output_uploads``) and is uploaded
   last: the prefix holds a finished run once it is there.
@@ -122,7 +123,7 @@ class Mirror(prefix.Prefix):
     prunes and deletes what it no longer needs; used by rank 0 only."""
 
     pulled: str | None = None  # the checkpoint ``pull`` took, which the resume must restore
-    earlier = ""  # where an hvd_train before staged the run, where elsewhere (``staging_folders.earlier``)
+    earlier = ""  # where an hvd_train before this one staged the run, if elsewhere (``staging_folders.earlier``)
 
     def check(self) -> None:
         """Before a train writes anything: the prefix holds nothing, or a run (its record, or a run written
