@@ -12,6 +12,7 @@ from hvd_train.data.pipeline import eval_dataset, train_input
 from hvd_train.data.sharding import Segment
 from hvd_train.data.sources import checked
 from hvd_train.distributed.context import Context
+from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.results.evaluation import evaluate
 
 from conftest import png_with_a_corrupt_middle, write_images
@@ -109,9 +110,8 @@ def test_an_image_broken_inside_becomes_a_stand_in_with_its_place_kept(folder):
     ).dataset
     from hvd_train.compat import keras
 
-    model = keras.Sequential(
-        [keras.layers.Input((16, 16, 3)), keras.layers.Flatten(), keras.layers.Dense(2, "softmax")]
-    )
+    head = keras.layers.Dense(2, "softmax", name=HEAD_LAYER)  # evaluate scores the head's logits
+    model = keras.Sequential([keras.layers.Input((16, 16, 3)), keras.layers.Flatten(), head])
     result = evaluate(model, held_out, 2, CTX)
     assert result.count == n - 1 and result.skipped == (bad,)
     assert result.confusion.sum() == n - 1
