@@ -337,7 +337,12 @@ def test_a_sweep_as_a_job_array_shares_one_postgresql_study(cluster, demo_small,
     # Each task ends when the study has its 3 trials (sbatch --wait does not say how each task ended).
     assert logs.count("sweep done: 3 complete") == 2 and "Traceback" not in logs, logs
     assert "waiting while other sweep processes run theirs" in logs, logs
-    trials = optuna.load_study(study_name=study, storage=postgres_url).get_trials()
+    storage = optuna.storages.RDBStorage(postgres_url)
+    try:
+        trials = optuna.load_study(study_name=study, storage=storage).get_trials()
+    finally:  # its pooled connections closed now, not warned of when a later test collects them
+        storage.remove_session()
+        storage.engine.dispose()
     kept = [t for t in trials if not t.user_attrs.get("surplus")]
     assert [t.state.name for t in kept] == ["COMPLETE"] * 3, [(t.number, t.state.name, t.user_attrs) for t in trials]
     # The first values once (one task set the study up), and each task drew values of its own.
