@@ -1,6 +1,7 @@
 """A real MLflow tracking server on 127.0.0.1 (its own process, SQLite backend, artefacts served), over
 HTTP or HTTPS, and its runs read back with MLflow's client, as a user would."""
 
+import os
 import ssl
 import subprocess
 import sys
@@ -40,6 +41,9 @@ class MlflowServer:
             stdout=subprocess.DEVNULL,
             stderr=self.log,
             start_new_session=True,
+            # No job runner: its three consumer processes import MLflow and poll for the server's whole
+            # life, and tracking needs none of them.
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         )
         uri = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         trusted = ssl.create_default_context(cafile=str(self.tls[0])) if self.tls else None
