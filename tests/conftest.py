@@ -396,6 +396,32 @@ def any_s3_server(request) -> S3Server:
     return request.getfixturevalue("s3_server" if request.param == "moto" else "rclone_server")
 
 
+@pytest.fixture
+def prefix(any_s3_server, monkeypatch):
+    """A fresh run prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
+    from s3_runs import fresh_prefix
+
+    return fresh_prefix(any_s3_server, monkeypatch)
+
+
+@pytest.fixture
+def moto_prefix(s3_server, monkeypatch):
+    """A fresh run prefix in moto alone: for keys that rclone's serve s3 will not hold (it keeps each object
+    as a file: no key with an empty, '.' or '..' part, no folder marker beside the folder's objects), and for
+    what no S3 server's answer changes."""
+    from s3_runs import fresh_prefix
+
+    return fresh_prefix(s3_server, monkeypatch)
+
+
+@pytest.fixture
+def net():
+    """A tiny Keras model and its optimizer, whose checkpoints the runs in S3 keep (``s3_runs.save``)."""
+    from hvd_train.compat import keras
+
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), keras.optimizers.SGD(0.1)
+
+
 # --- the Docker image tests -----------------------------------------------------------------------
 # They build the CPU image (minutes, gigabytes): they run where a ``-m`` expression names them
 # (`make test-docker`: ``-m docker``), or where the machine must run them (HVD_TRAIN_REQUIRE has

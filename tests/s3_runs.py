@@ -15,13 +15,19 @@ from hvd_train.training.state import TrainState
 OPTIONS = S3Options(max_attempts=2, connect_timeout=2, read_timeout=5)
 
 
-def fresh_prefix(server, monkeypatch) -> tuple[str, str, object]:
-    """A fresh bucket, ``server`` as the process's AWS environment: ``(url, bucket, client)``."""
+def fresh_bucket(server, monkeypatch) -> tuple[str, object]:
+    """``server`` as the process's AWS environment; a fresh bucket in it: ``(bucket, client)``."""
     for key, value in server.env.items():
         monkeypatch.setenv(key, value)
-    bucket = f"run-{uuid.uuid4().hex[:12]}"
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
     client = server.client()
     client.create_bucket(Bucket=bucket)
+    return bucket, client
+
+
+def fresh_prefix(server, monkeypatch) -> tuple[str, str, object]:
+    """``fresh_bucket`` and the run prefix ``runs/a/`` in it: ``(url, bucket, client)``."""
+    bucket, client = fresh_bucket(server, monkeypatch)
     return f"s3://{bucket}/runs/a/", bucket, client
 
 
@@ -57,6 +63,15 @@ def finished_run(staging, url, model, optimizer) -> dict[str, bytes]:
     assert mirror.push_checkpoint(save(staging, 0, model, optimizer, epoch=1))
     mirror.finish({"val_accuracy": 0.5})
     return {rel: (staging / rel).read_bytes() for rel in [*outputs, "summary.json"]}
+
+
+def two_up_and_one_kept_back(mirror, staging, model, optimizer) -> str:
+    """A run in ``staging`` with its checkpoints of epochs 1 and 2 uploaded through ``mirror`` and epoch 3's
+    saved but not uploaded, as an outage keeps one back: the name of that last one."""
+    (staging / "run_config.yaml").write_text("model:\n  name: a-model\n")
+    for epoch in (1, 2):
+        assert mirror.push_checkpoint(save(staging, 0, model, optimizer, keep=3, epoch=epoch))
+    return os.path.basename(save(staging, 0, model, optimizer, keep=3, epoch=3))
 
 
 def prefix_checkpoints(client, bucket) -> set[str]:

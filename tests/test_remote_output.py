@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from hvd_train import config
-from hvd_train.compat import keras
 from hvd_train.data.folder import ImageSet
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
@@ -25,28 +24,16 @@ from hvd_train.training.job import Job
 from hvd_train.training.run_record import RECORD
 
 from conftest import HVD_TRAIN, output_of, run
-from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, record_as_the_runs, save, stored
+from s3_runs import (
+    OPTIONS,
+    finished_run,
+    prefix_checkpoints,
+    record_as_the_runs,
+    save,
+    stored,
+    two_up_and_one_kept_back,
+)
 from s3proxy import CuttingProxy
-
-
-@pytest.fixture
-def prefix(any_s3_server, monkeypatch):
-    """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
-    return fresh_prefix(any_s3_server, monkeypatch)
-
-
-@pytest.fixture
-def moto_prefix(s3_server, monkeypatch):
-    """A fresh prefix in moto, for keys that rclone's serve s3 will not hold (it keeps each object as a file:
-    no key with an empty, '.' or '..' part, no folder marker beside the folder's objects)."""
-    return fresh_prefix(s3_server, monkeypatch)
-
-
-@pytest.fixture
-def net():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    optimizer = keras.optimizers.SGD(0.1)
-    return model, optimizer
 
 
 def test_the_staging_folder_is_named_after_the_prefix_and_odd_prefixes_are_refused(tmp_path, monkeypatch):
@@ -422,10 +409,7 @@ def test_a_staging_folder_of_an_earlier_hvd_train_keeps_what_an_outage_kept_back
     staging, other = tmp_path / "one", tmp_path / "other"
     mirror = remote.Mirror(url, str(staging), OPTIONS)
     staging.mkdir()
-    (staging / "run_config.yaml").write_text("model:\n  name: a-model\n")
-    for epoch in (1, 2):
-        assert mirror.push_checkpoint(save(staging, 0, model, optimizer, keep=3, epoch=epoch))
-    kept_back = os.path.basename(save(staging, 0, model, optimizer, keep=3, epoch=3))
+    kept_back = two_up_and_one_kept_back(mirror, staging, model, optimizer)
     save(other, 0, model, optimizer, keep=3, epoch=1)
     save(other, 0, model, optimizer, keep=3, epoch=4)
     client.delete_object(Bucket=bucket, Key=f"runs/a/{RECORD}")

@@ -8,25 +8,12 @@ import re
 
 import pytest
 
-from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote
 from hvd_train.training.run_record import RECORD, OtherWriter
 
-from s3_runs import OPTIONS, finished_run, fresh_prefix, prefix_checkpoints, save, stored
+from s3_runs import OPTIONS, finished_run, prefix_checkpoints, save, stored
 from s3proxy import CuttingProxy
-
-
-@pytest.fixture
-def prefix(any_s3_server, monkeypatch):
-    """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
-    return fresh_prefix(any_s3_server, monkeypatch)
-
-
-@pytest.fixture
-def net():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    return model, keras.optimizers.SGD(0.1)
 
 
 def test_a_record_that_lists_what_no_run_writes_is_refused_whole(prefix, net, tmp_path):

@@ -2,7 +2,6 @@
 
 import json
 import unicodedata
-import uuid
 
 import numpy as np
 import pytest
@@ -19,15 +18,12 @@ from hvd_train.data.streams import input_failure
 from hvd_train.errors import UserError
 
 from conftest import S3_SECRET, S3Server, cli, free_port, output_of, write_images
+from s3_runs import fresh_bucket
 
 
 def with_bucket(server, monkeypatch):
     """``server`` as the process's AWS environment; a fresh bucket: ``(server, bucket)``."""
-    for key, value in server.env.items():
-        monkeypatch.setenv(key, value)
-    bucket = f"test-{uuid.uuid4().hex[:12]}"
-    server.client().create_bucket(Bucket=bucket)
-    return server, bucket
+    return server, fresh_bucket(server, monkeypatch)[0]
 
 
 @pytest.fixture

@@ -13,32 +13,13 @@ from pathlib import Path
 import pytest
 
 from hvd_train import config
-from hvd_train.compat import keras
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, remote, stages
 from hvd_train.training.run_record import RECORD
 
 from conftest import job_env, kill_group
-from s3_runs import OPTIONS, finished_run, fresh_prefix, save, stored
-
-
-@pytest.fixture
-def prefix(any_s3_server, monkeypatch):
-    """A fresh prefix in each test server in turn (moto, rclone): ``(url, bucket, client)``."""
-    return fresh_prefix(any_s3_server, monkeypatch)
-
-
-@pytest.fixture
-def moto_prefix(s3_server, monkeypatch):
-    """A fresh prefix in moto: for what no S3 server's answer changes."""
-    return fresh_prefix(s3_server, monkeypatch)
-
-
-@pytest.fixture
-def net():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
-    return model, keras.optimizers.SGD(0.1)
+from s3_runs import OPTIONS, finished_run, save, stored, two_up_and_one_kept_back
 
 
 def test_a_read_fault_of_a_moment_costs_no_checkpoint_its_turn(prefix, net, tmp_path, monkeypatch):
@@ -193,10 +174,7 @@ def test_a_staging_folder_of_the_run_under_another_id_keeps_what_an_outage_kept_
     staging = tmp_path / "one"
     mirror = remote.Mirror(url, str(staging), OPTIONS)
     mirror.check()
-    (staging / "run_config.yaml").write_text("model:\n  name: a-model\n")
-    for epoch in (1, 2):
-        assert mirror.push_checkpoint(save(staging, 0, model, optimizer, keep=3, epoch=epoch))
-    kept_back = os.path.basename(save(staging, 0, model, optimizer, keep=3, epoch=3))
+    kept_back = two_up_and_one_kept_back(mirror, staging, model, optimizer)
     client.delete_object(Bucket=bucket, Key=f"runs/a/{RECORD}")
     again = remote.Mirror(url, str(staging), OPTIONS)
     again.check()
@@ -220,10 +198,7 @@ def test_a_run_staged_before_the_store_was_in_the_staging_folders_name_keeps_wha
     before, other = Path(remote.staging_folder(url)), Path(remote.staging_folder(beside))
     mirror = remote.Mirror(url, str(before), at_endpoint)
     mirror.check()
-    (before / "run_config.yaml").write_text("model:\n  name: a-model\n")
-    for epoch in (1, 2):
-        assert mirror.push_checkpoint(save(before, 0, model, optimizer, keep=3, epoch=epoch))
-    kept_back = os.path.basename(save(before, 0, model, optimizer, keep=3, epoch=3))
+    kept_back = two_up_and_one_kept_back(mirror, before, model, optimizer)
     (before / "metrics.csv").write_text("epoch\n1\n2\n3\n")
     save(other, 0, model, optimizer, epoch=4)
     for output in (url, beside):
