@@ -205,6 +205,15 @@ class Prefix:
         except OSError:
             return False
 
+    def _shared_checkpoint(self, folder: str, complete: list[str]) -> str | None:
+        """The newest checkpoint of the staging folder ``folder`` that is complete in the prefix (``complete``)
+        with the same manifest, byte for byte: its time and checksums are no other run's. None where none is."""
+        for path in checkpoints.candidates(folder):
+            name = os.path.basename(path)
+            if name in complete and self._same_manifest(name, path):
+                return name
+        return None
+
     def _staged_copy(self, name: str, local: str) -> bool:
         """Whether the staging folder holds checkpoint ``name`` as the prefix does: the same manifest, and its
         files as the manifest says (a copy damaged on disk is downloaded again)."""
@@ -345,12 +354,11 @@ class Prefix:
         (``bad_part``: too long a part) is left out with a warning, as a resume would refuse the prefix."""
         changed = []
         for rel in self._local_files():
-            if bad_part(rel):  # a name longer than MAX_PART_BYTES: no staging folder could take it back
+            why = bad_part(rel)  # a name longer than MAX_PART_BYTES: no staging folder could take it back
+            if why:
                 if rel not in self._unfit:
                     self._unfit.add(rel)
-                    log.warning(
-                        "%s of %s is not uploaded to %s: its name %s", rel, self.staging, self.url, bad_part(rel)
-                    )
+                    log.warning("%s of %s is not uploaded to %s: its name %s", rel, self.staging, self.url, why)
                 continue
             stat = os.stat(os.path.join(self.staging, rel))
             if rel != skip and self._sent.get(rel) != (stat.st_size, stat.st_mtime_ns):

@@ -225,9 +225,8 @@ class Mirror(prefix.Prefix):
         source = self.earlier
         if not source or os.path.exists(os.path.join(self.staging, run_record.RECORD)) or not os.path.isdir(source):
             return
-        found = [(os.path.basename(path), path) for path in checkpoints.candidates(source)]
         ours = run_record.read_staged(source) == self.record.run
-        if not (ours or any(name in complete and self._same_manifest(name, path) for name, path in found)):
+        if not (ours or self._shared_checkpoint(source, complete)):
             return
         if not staging_folders.take(source):  # a training of the same prefix without --s3-endpoint, running
             log.warning("the staging folder %s of an earlier hvd_train is used by another process: left alone", source)
@@ -243,19 +242,17 @@ class Mirror(prefix.Prefix):
         run's): its newer checkpoints, which an outage kept back, are the run's too."""
         if self._staged_run == self.record.run:
             return
-        for path in checkpoints.candidates(self.staging):
-            name = os.path.basename(path)
-            if name not in complete or not self._same_manifest(name, path):
-                continue
-            log.info(
-                "the staging folder %s holds checkpoint %s as %s does: its checkpoints are of this run",
-                self.staging,
-                name,
-                self.url,
-            )
-            run_record.mark_staged(self.staging, self.record.run)
-            self._staged_run = self.record.run
+        name = self._shared_checkpoint(self.staging, complete)
+        if name is None:
             return
+        log.info(
+            "the staging folder %s holds checkpoint %s as %s does: its checkpoints are of this run",
+            self.staging,
+            name,
+            self.url,
+        )
+        run_record.mark_staged(self.staging, self.record.run)
+        self._staged_run = self.record.run
 
     def _ahead(self, complete: list[str]) -> checkpoints.Found | None:
         """The staging folder's newest intact checkpoint where it is of the prefix's run and newer than every

@@ -226,21 +226,21 @@ def same_as_written(store: storage.S3Store, last: bytes, tried=()) -> str:
         if storage.error_code(e) not in ("404", "NoSuchKey", "NotFound"):
             raise store.error(e, "read", store.key(RECORD), "--output") from None
         now, etag = b"", ""
-    if now != last and now not in tried and not now:
+    if now == last or now in tried:
+        return etag
+    if not now:
         raise OtherWriter(
             f"{store.url}{RECORD} was deleted since this process read it (by another process, or by hand): this one "
             f"stops rather than write a run whose record is gone; check what writes to {store.url}, then rerun this "
             f"command to resume the run."
         )
-    if now != last and now not in tried:
-        raise OtherWriter(
-            f"another process{_who(now)} wrote {store.url}{RECORD} since this one read it: that process writes the "
-            f"run in {store.url} now (a second machine resumed it, a requeued job's earlier one still ran, or two "
-            f"started it at once) and goes on, and this one stops rather than mix its files with that one's; let "
-            f"that one finish (or stop it), then rerun this command to resume the run (or give each run a prefix "
-            f"of its own)."
-        )
-    return etag
+    raise OtherWriter(
+        f"another process{_who(now)} wrote {store.url}{RECORD} since this one read it: that process writes the "
+        f"run in {store.url} now (a second machine resumed it, a requeued job's earlier one still ran, or two "
+        f"started it at once) and goes on, and this one stops rather than mix its files with that one's; let "
+        f"that one finish (or stop it), then rerun this command to resume the run (or give each run a prefix "
+        f"of its own)."
+    )
 
 
 def _who(record: bytes) -> str:
