@@ -47,7 +47,7 @@ from hvd_train import config
 from hvd_train.distributed import gradients, start
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.catalogue import build_model
-from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.model.schedules import WarmupSchedule
 
 ctx = start.init(threads_per_rank=1)
 cfg = config.build({"data": {"train": "d", "batch_size": 16}, "model": {"weights": "none"}, "run": {"output": "o"}})

@@ -6,9 +6,9 @@ For each model (weights none, 224 px, a 5-class head, SGD with momentum: the
 checkpoint holds the weights and one slot per weight, as a run's does):
 
 1. ``checkpoints.save`` to local disk (the staging folder): seconds, bytes;
-2. the same checkpoint uploaded by ``remote.Mirror.push_checkpoint`` (one PUT
+2. the same checkpoint uploaded by ``s3_mirror.Mirror.push_checkpoint`` (one PUT
    per file, multipart above 16 MB, ``state.json`` last): seconds, MB/s;
-3. a resume from nothing: ``remote.Mirror.pull`` into an empty staging
+3. a resume from nothing: ``s3_mirror.Mirror.pull`` into an empty staging
    folder (list, download, verify every file's CRC32C): seconds.
 
 The store is a moto server on 127.0.0.1 started here: the figures are
@@ -43,7 +43,7 @@ def main() -> None:
 
         from hvd_train.compat import keras
         from hvd_train.data.storage import S3Options
-        from hvd_train.training import checkpoints, remote
+        from hvd_train.training import checkpoints, s3_mirror
         from hvd_train.training.state import TrainState
 
         boto3.client("s3").create_bucket(Bucket="bench")
@@ -61,7 +61,7 @@ def main() -> None:
             saves, uploads, pulls, size = [], [], [], 0
             for repeat in range(args.repeats):
                 staging = os.path.join(root, name, "staging")
-                mirror = remote.Mirror(f"s3://bench/{name}/", staging, S3Options())
+                mirror = s3_mirror.Mirror(f"s3://bench/{name}/", staging, S3Options())
                 state = TrainState(seed=1, world_size=1, batch_size=32, global_batch=32, total=1000, step=repeat + 1)
                 started = time.perf_counter()
                 path = checkpoints.save(
@@ -75,7 +75,7 @@ def main() -> None:
                 uploads.append(time.perf_counter() - started)
                 elsewhere = os.path.join(root, name, f"elsewhere-{repeat}")
                 started = time.perf_counter()
-                assert remote.Mirror(f"s3://bench/{name}/", elsewhere, S3Options()).pull() == os.path.basename(path)
+                assert s3_mirror.Mirror(f"s3://bench/{name}/", elsewhere, S3Options()).pull() == os.path.basename(path)
                 pulls.append(time.perf_counter() - started)
                 shutil.rmtree(elsewhere)
             save, upload, pull = (statistics.median(x) for x in (saves, uploads, pulls))

@@ -1,4 +1,8 @@
-"""The one exception type that reaches users."""
+"""The one exception type that reaches users, and the one line of any other error that a message quotes."""
+
+from __future__ import annotations
+
+import re
 
 
 class UserError(Exception):
@@ -28,3 +32,24 @@ class Diverged(UserError):
     """
 
     exit_code = 3
+
+
+def first_line(error: BaseException | str, named: bool = False, limit: int = 300) -> str:
+    """The first line of an error (or of an error's message), for a one-line message.
+
+    TensorFlow's decorations (``{{function_node ...}}`` before the reason,
+    `` [Op:Name]`` after it) and the ``user:password@`` of any URL it quotes
+    (botocore quotes the request's) are taken out. An error without a
+    message gives its type's name; ``named`` puts the type's name first
+    anyway; a text longer than ``limit`` is cut there.
+    """
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)
+    line = re.sub(r"\s*\[Op:\w+\].*$", "", line)
+    line = re.sub(r"(\w+://)[^/@\s\"']+@", r"\1", line)[:limit]
+    if isinstance(error, str):
+        return line
+    if not line:
+        return type(error).__name__
+    return f"{type(error).__name__}: {line}" if named else line

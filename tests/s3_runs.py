@@ -1,4 +1,4 @@
-"""Runs in S3 for the one-process tests of ``training.remote``: a fresh prefix in a test server, checkpoints of a
+"""Runs in S3 for the one-process tests of ``training.s3_mirror``: a fresh prefix in a test server, checkpoints of a
 tiny model, a finished run, and what the prefix holds."""
 
 import json
@@ -8,7 +8,7 @@ import uuid
 import numpy as np
 
 from hvd_train.data.storage import S3Options
-from hvd_train.training import checkpoints, remote
+from hvd_train.training import checkpoints, s3_mirror
 from hvd_train.training.run_record import RECORD
 from hvd_train.training.state import TrainState
 
@@ -47,7 +47,7 @@ def save(staging, step, model, optimizer, keep=2, epoch=0, best_epoch=-1) -> str
 
 def finished_run(staging, url, model, optimizer) -> dict[str, bytes]:
     """A run trained to its end in ``url``, as a run's outputs stand beside its last checkpoint: its files."""
-    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
     mirror.check()  # as a run prepares its output
     assert mirror.pull() is None
     outputs = {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.model.schedules import WarmupSchedule
 
 from conftest import BIN, TINY, kill_group, output_of, read_json, start
 

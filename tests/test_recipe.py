@@ -22,7 +22,7 @@ from hvd_train.distributed import start
 from hvd_train.model.network import Net, keras_optimizer
 from hvd_train.compat import keras, tf
 from hvd_train.model.catalogue import HEAD_LAYER
-from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.model.schedules import WarmupSchedule
 
 ctx = start.init(1)
 out = {}

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from hvd_train.errors import UserError
-from hvd_train.training import checkpoints, remote
+from hvd_train.training import checkpoints, s3_mirror
 from hvd_train.training.run_record import RECORD, OtherWriter
 
 from s3_runs import OPTIONS, finished_run, prefix_checkpoints, save, stored
@@ -35,13 +35,13 @@ def test_a_record_that_lists_what_no_run_writes_is_refused_whole(prefix, net, tm
         client.put_object(Bucket=bucket, Key=f"runs/a/{RECORD}", Body=json.dumps(planted).encode())
         refused = f"^{re.escape(url + RECORD)} is not the record .*{re.escape(repr(listed))}"
         with pytest.raises(UserError, match=refused):
-            remote.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
+            s3_mirror.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
     # A field of another type: "files": "metrics" would be read as the names m, e, t, r, i, c and s.
     for field, value in (("files", "metrics"), ("files", [1]), ("checkpoints", {"epoch-0001": 1}), ("run", 5)):
         client.put_object(Bucket=bucket, Key=f"runs/a/{RECORD}", Body=json.dumps({**record, field: value}).encode())
         what = "its run id is no string" if field == "run" else f"its {field!r} is no list of names"
         with pytest.raises(UserError, match=f"^{re.escape(url + RECORD)} is not the record .*\\({what}\\)"):
-            remote.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
+            s3_mirror.Mirror(url, str(tmp_path / "one"), OPTIONS).check()
     assert stored(client, bucket).keys() == before.keys()
 
 
@@ -55,11 +55,11 @@ def test_a_second_writer_of_a_run_stops_the_first_before_it_uploads_or_deletes_a
     url, bucket, client = prefix
     model, optimizer = net
     one, two = tmp_path / "one", tmp_path / "two"
-    first = remote.Mirror(url, str(one), OPTIONS)
+    first = s3_mirror.Mirror(url, str(one), OPTIONS)
     first.check()
     assert first.pull() is None
     assert first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=1))
-    second = remote.Mirror(url, str(two), OPTIONS)
+    second = s3_mirror.Mirror(url, str(two), OPTIONS)
     second.check()
     assert second.pull() == "epoch-0001"
     before = stored(client, bucket)
@@ -74,7 +74,10 @@ def test_a_second_writer_of_a_run_stops_the_first_before_it_uploads_or_deletes_a
     # A record write of A's that B's start overtook, where the store makes conditional writes (moto; rclone's
     # serve s3 ignores the condition, and the read-back before each write and upload is the check there).
     url = url.replace("/runs/a/", "/runs/b/")
-    late, early = remote.Mirror(url, str(tmp_path / "late"), OPTIONS), remote.Mirror(url, str(tmp_path / "e"), OPTIONS)
+    late, early = (
+        s3_mirror.Mirror(url, str(tmp_path / "late"), OPTIONS),
+        s3_mirror.Mirror(url, str(tmp_path / "e"), OPTIONS),
+    )
     assert late.record.checkpoints == set()  # its listing found nothing
     read = late._ours()  # nor its read-back: the two start at once
     early.check()
@@ -92,7 +95,7 @@ def test_a_writer_that_loses_the_run_midway_through_a_checkpoint_never_completes
     url, bucket, client = prefix
     model, optimizer = net
     one, two = tmp_path / "one", tmp_path / "two"
-    first, second = remote.Mirror(url, str(one), OPTIONS), remote.Mirror(url, str(two), OPTIONS)
+    first, second = s3_mirror.Mirror(url, str(one), OPTIONS), s3_mirror.Mirror(url, str(two), OPTIONS)
     first.check()
     assert first.push_checkpoint(save(one, 0, model, optimizer, epoch=1))
     upload, taken = first._upload, []
@@ -110,7 +113,7 @@ def test_a_writer_that_loses_the_run_midway_through_a_checkpoint_never_completes
     assert f"checkpoints/epoch-0002/{checkpoints.STATE_FILE}" not in stored(client, bucket)
     assert second.push_checkpoint(save(two, 0, model, optimizer, epoch=2))
     third = tmp_path / "three"
-    assert remote.Mirror(url, str(third), OPTIONS).pull() == "epoch-0002"
+    assert s3_mirror.Mirror(url, str(third), OPTIONS).pull() == "epoch-0002"
     for part in os.listdir(two / "checkpoints" / "epoch-0002"):
         assert (third / "checkpoints" / "epoch-0002" / part).read_bytes() == (
             two / "checkpoints/epoch-0002" / part
@@ -129,36 +132,36 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
     with pytest.raises(
         UserError, match=f"^--output {re.escape(inner_url)} is inside the run in {re.escape(url)} "
     ) as e:
-        remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS).check()
+        s3_mirror.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS).check()
     assert str(e.value).endswith(f"to resume this run (an earlier hvd_train let it start there), {how}")
     assert not [key for key in stored(client, bucket) if key.startswith("sub/")]
     # An inner run an earlier hvd_train let start: the outer one is refused in turn ...
-    inner = remote.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS)
+    inner = s3_mirror.Mirror(inner_url, str(tmp_path / "outer" / "sub"), OPTIONS)
     (tmp_path / "outer" / "sub").mkdir(exist_ok=True)  # its check() made it
     (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n")
     assert inner.push_checkpoint(save(tmp_path / "outer" / "sub", 0, model, optimizer, epoch=1))
     with pytest.raises(
         UserError, match=f"^--output {re.escape(url)} holds another run, in {re.escape(inner_url)} "
     ) as e:
-        remote.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
+        s3_mirror.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
     assert str(e.value).endswith(
         f"to resume both (an earlier hvd_train let them nest), {how.replace('it out', 'the inner one out')}"
     )
     # ... and where it resumes all the same (a check of an earlier hvd_train), it neither takes the inner
     # run's files for its own nor touches its staging folder: the inner metrics.csv that an outage kept back.
     (tmp_path / "outer" / "sub" / "metrics.csv").write_text("epoch\n1\n2\n")
-    outer = remote.Mirror(url, str(tmp_path / "outer"), OPTIONS)
+    outer = s3_mirror.Mirror(url, str(tmp_path / "outer"), OPTIONS)
     assert outer.pull() is not None
     assert (tmp_path / "outer" / "sub" / "metrics.csv").read_text() == "epoch\n1\n2\n"
     assert outer.push_checkpoint(save(tmp_path / "outer", 0, model, optimizer, epoch=2))
     assert not [rel for rel in outer.record.files if rel.startswith("sub/")]
     # The commands that read a run copy it into a staging folder of their own, and read neither the inner
     # run's files nor a training's staging folder (whose outputs may not have gone up).
-    staged = remote.staging_folder(url)
+    staged = s3_mirror.staging_folder(url)
     os.makedirs(staged)
     with open(os.path.join(staged, "metrics.csv"), "w") as f:
         f.write("epoch\n1\n2\n3\n")  # a training of the prefix on this machine, in an outage
-    run_dir, _ = remote.open_run(url, OPTIONS)
+    run_dir, _ = s3_mirror.open_run(url, OPTIONS)
     assert open(os.path.join(staged, "metrics.csv")).read() == "epoch\n1\n2\n3\n"
     assert run_dir != staged
     assert os.path.isfile(os.path.join(run_dir, "summary.json")) and not os.path.exists(os.path.join(run_dir, "sub"))
@@ -168,8 +171,8 @@ def test_runs_in_s3_do_not_nest(prefix, net, tmp_path, monkeypatch):
             Bucket=bucket, Key=f"runs/a-sub/{key[4:]}", CopySource={"Bucket": bucket, "Key": f"runs/a/{key}"}
         )
         client.delete_object(Bucket=bucket, Key=f"runs/a/{key}")
-    remote.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
-    inner = remote.Mirror(moved, str(tmp_path / "moved"), OPTIONS)
+    s3_mirror.Mirror(url, str(tmp_path / "outer"), OPTIONS).check()
+    inner = s3_mirror.Mirror(moved, str(tmp_path / "moved"), OPTIONS)
     inner.check()
     assert inner.pull() == "epoch-0001"
 
@@ -185,10 +188,10 @@ def test_a_store_without_conditional_writes_keeps_the_check_that_reads_the_recor
     proxy.refuse_conditions = True
     options = dataclasses.replace(OPTIONS, endpoint=proxy.url)
     try:
-        first = remote.Mirror(url, str(tmp_path / "one"), options)
+        first = s3_mirror.Mirror(url, str(tmp_path / "one"), options)
         first.check()
         assert first.push_checkpoint(save(tmp_path / "one", 0, model, optimizer, epoch=1))
-        remote.Mirror(url, str(tmp_path / "two"), options).check()
+        s3_mirror.Mirror(url, str(tmp_path / "two"), options).check()
         with pytest.raises(OtherWriter):
             first.push_checkpoint(save(tmp_path / "one", 0, model, optimizer, epoch=2))
     finally:
@@ -204,7 +207,7 @@ def test_a_record_write_whose_answer_was_lost_is_known_for_this_process_own(pref
     url, bucket, client = prefix
     model, optimizer = net
     one, proxy = tmp_path / "one", CuttingProxy(any_s3_server.url)
-    mirror = remote.Mirror(url, str(one), dataclasses.replace(OPTIONS, endpoint=proxy.url))
+    mirror = s3_mirror.Mirror(url, str(one), dataclasses.replace(OPTIONS, endpoint=proxy.url))
     try:
         mirror.check()
         proxy.lose_answers, proxy.lose_answers_of = 1, RECORD  # the retry gets an answer
@@ -227,11 +230,11 @@ def test_a_writer_that_lost_the_run_deletes_nothing_from_the_prefix(prefix, net,
     url, bucket, client = prefix
     model, optimizer = net
     one, two, three = tmp_path / "one", tmp_path / "two", tmp_path / "three"
-    first = remote.Mirror(url, str(one), OPTIONS)
+    first = s3_mirror.Mirror(url, str(one), OPTIONS)
     first.check()
     assert first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=1))
     # --no-resume on machine A, which checked the prefix as it started, and B resumes before A's training starts.
-    restart, second = remote.Mirror(url, str(one), OPTIONS), remote.Mirror(url, str(two), OPTIONS)
+    restart, second = s3_mirror.Mirror(url, str(one), OPTIONS), s3_mirror.Mirror(url, str(two), OPTIONS)
     restart.check()
     second.check()
     assert second.pull() == "epoch-0001"
@@ -240,7 +243,7 @@ def test_a_writer_that_lost_the_run_deletes_nothing_from_the_prefix(prefix, net,
     assert prefix_checkpoints(client, bucket) == {"epoch-0001"}
     # C takes the run up from B while B uploads epoch-0002, which has no manifest yet, and resumes from
     # epoch-0001: B's prune (--keep-checkpoints 1) would delete it.
-    third, taken = remote.Mirror(url, str(three), OPTIONS), []
+    third, taken = s3_mirror.Mirror(url, str(three), OPTIONS), []
     upload = second._upload
 
     def and_meanwhile_c_starts(path, rel):
@@ -263,7 +266,7 @@ def test_a_writer_that_lost_the_run_deletes_nothing_from_the_prefix(prefix, net,
     def and_meanwhile_d_starts(path, rel):
         upload(path, rel)
         if rel == "summary.json":
-            remote.Mirror(url, str(tmp_path / "four"), OPTIONS).check()
+            s3_mirror.Mirror(url, str(tmp_path / "four"), OPTIONS).check()
 
     third._upload = and_meanwhile_d_starts
     with pytest.raises(OtherWriter):
@@ -279,7 +282,7 @@ def test_credentials_that_may_not_look_above_the_prefix_find_no_run_around_it(pr
     proxy = CuttingProxy(any_s3_server.url)
     proxy.deny_heads_outside = "runs/a/deep/run/"
     try:
-        remote.Mirror(inner, str(tmp_path / "one"), dataclasses.replace(OPTIONS, endpoint=proxy.url)).check()
+        s3_mirror.Mirror(inner, str(tmp_path / "one"), dataclasses.replace(OPTIONS, endpoint=proxy.url)).check()
     finally:
         proxy.stop()
     assert f"deep/run/{RECORD}" in stored(client, bucket)

@@ -1,6 +1,6 @@
 import pytest
 
-from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.model.schedules import WarmupSchedule
 
 
 def test_warmup_goes_linearly_from_one_worker_rate_to_scaled_rate():

@@ -90,13 +90,13 @@ def test_the_sharded_head_equals_the_data_parallel_head(tmp_path, np_, layouts):
 def test_a_head_file_of_other_classes_or_none_is_refused_in_one_line(tmp_path):
     import numpy as np
 
-    from hvd_train.training import head_files
+    from hvd_train.model import sharded_files
 
-    np.save(head_files.path_of(str(tmp_path), "kernel"), np.zeros((4, 10), np.float32))
-    assert head_files.read_columns(str(tmp_path), "kernel", 3, 4, 10).shape == (4, 4)
+    np.save(sharded_files.path_of(str(tmp_path), "kernel"), np.zeros((4, 10), np.float32))
+    assert sharded_files.read_columns(str(tmp_path), "kernel", 3, 4, 10).shape == (4, 4)
     for name, classes, message in (("kernel", 12, "holds a head of 10 classes, this run has 12"), ("bias", 10, "")):
         with pytest.raises(UserError) as refused:
-            head_files.read_columns(str(tmp_path), name, 0, 5, classes)
+            sharded_files.read_columns(str(tmp_path), name, 0, 5, classes)
         assert message in str(refused.value) and "\n" not in str(refused.value)
 
 

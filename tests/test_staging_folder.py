@@ -1,4 +1,4 @@
-"""The staging folder of a run in S3 (``training.remote``): what it keeps and gives back, in one process against
+"""The staging folder of a run in S3 (``training.s3_mirror``): what it keeps and gives back, in one process against
 each real test S3 server (moto, rclone)."""
 
 import contextlib
@@ -15,7 +15,7 @@ import pytest
 from hvd_train import config
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
-from hvd_train.training import checkpoints, remote, stages
+from hvd_train.training import checkpoints, s3_mirror, stages
 from hvd_train.training.run_record import RECORD
 
 from conftest import job_env, kill_group
@@ -30,7 +30,7 @@ def test_a_read_fault_of_a_moment_costs_no_checkpoint_its_turn(prefix, net, tmp_
     url, _, _ = prefix
     model, optimizer = net
     one = tmp_path / "one"
-    mirror = remote.Mirror(url, str(one), OPTIONS)
+    mirror = s3_mirror.Mirror(url, str(one), OPTIONS)
     mirror.check()
     for epoch in (1, 2):
         assert mirror.push_checkpoint(save(one, 0, model, optimizer, keep=3, epoch=epoch))
@@ -44,8 +44,8 @@ def test_a_read_fault_of_a_moment_costs_no_checkpoint_its_turn(prefix, net, tmp_
         return real(path)
 
     monkeypatch.setattr(checkpoints, "_digest", fails_once_per_folder)
-    assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
-    assert remote.Mirror(url, str(one), OPTIONS).pull() == kept_back
+    assert s3_mirror.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
+    assert s3_mirror.Mirror(url, str(one), OPTIONS).pull() == kept_back
     assert len(failed) == 2
 
 
@@ -56,7 +56,7 @@ def test_credentials_in_the_url_are_refused_and_never_shown(tmp_path, monkeypatc
     for url in ("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bkt/x", "s3://AKIAEXAMPLE@bkt/x", "s3://:wJalrXUtnFEMI@bkt/x"):
         for flag in ("--output", "--model-dir"):
             with pytest.raises(UserError, match=f"^{flag} holds user:password@ before its bucket") as e:
-                remote.staging_folder(url, flag=flag)
+                s3_mirror.staging_folder(url, flag=flag)
             message = str(e.value)
             assert "AKIAEXAMPLE" not in message and "wJalrXUtnFEMI" not in message and "\n" not in message
             assert "(shown without it: s3://bkt/x)" in message and "AWS_ACCESS_KEY_ID" in message
@@ -71,11 +71,11 @@ def test_a_file_whose_name_no_key_may_have_stays_in_the_staging_folder_with_a_wa
     (staging / "pictures").mkdir(parents=True)
     (staging / "pictures" / long_name).write_bytes(b"a picture")
     (staging / "metrics.csv").write_text("epoch\n1\n")
-    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
     mirror.check()
     for epoch in (1, 2):
         assert mirror.push_checkpoint(save(staging, 0, *net, epoch=epoch))
-    assert remote.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
+    assert s3_mirror.Mirror(url, str(tmp_path / "two"), OPTIONS).pull() == "epoch-0002"
     assert "metrics.csv" in stored(client, bucket) and not [k for k in stored(client, bucket) if "ppp" in k]
     assert caplog.text.count(f"pictures/{long_name} of {staging} is not uploaded to {url}: its name has a part") == 1
 
@@ -124,13 +124,13 @@ def test_a_second_training_of_one_output_on_one_machine_stops_before_it_touches_
     with another_process(TRAINS, url, str(staging)):
         (staging / "metrics.csv").write_text("epoch\n1\n")  # the running one's, not uploaded yet
         for step in ("check", "pull"):
-            again = remote.Mirror(url, str(staging), OPTIONS)
+            again = s3_mirror.Mirror(url, str(staging), OPTIONS)
             refused = f"^the staging folder {re.escape(str(staging))} of --output {re.escape(url.rstrip('/'))} is used"
             with pytest.raises(UserError, match=refused) as e:
                 getattr(again, step)()
             assert "let that one end (or stop it), then rerun this command" in str(e.value)
         assert (staging / "metrics.csv").read_text() == "epoch\n1\n"
-    remote.Mirror(url, str(staging), OPTIONS).check()  # it ended: nothing of it stays held
+    s3_mirror.Mirror(url, str(staging), OPTIONS).check()  # it ended: nothing of it stays held
 
 
 # A command that reads the run in argv[1] (an evaluate), its evaluation.json written but not uploaded yet; it
@@ -138,8 +138,8 @@ def test_a_second_training_of_one_output_on_one_machine_stops_before_it_touches_
 EVALUATES = """
 import os, sys
 from hvd_train.data.storage import S3Options
-from hvd_train.training import remote
-folder, mirror = remote.open_run(sys.argv[1], S3Options(max_attempts=2))
+from hvd_train.training import s3_mirror
+folder, mirror = s3_mirror.open_run(sys.argv[1], S3Options(max_attempts=2))
 with open(os.path.join(folder, "evaluation.json"), "w") as f:
     f.write('{"accuracy": 0.5}')
 print("ready", flush=True)
@@ -157,12 +157,12 @@ def test_commands_that_read_one_run_at_once_on_one_machine_lose_none_of_each_oth
     monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
     finished_run(tmp_path / "one", url, *net)
     with another_process(EVALUATES, url):
-        run_dir, mirror = remote.open_run(url, OPTIONS)  # a report, meanwhile
+        run_dir, mirror = s3_mirror.open_run(url, OPTIONS)  # a report, meanwhile
         (Path(run_dir) / "report.html").write_text("<html></html>")
         mirror.push_outputs()
-        assert remote.open_run(url, OPTIONS)[0] == run_dir  # this process's copy, as long as it runs
+        assert s3_mirror.open_run(url, OPTIONS)[0] == run_dir  # this process's copy, as long as it runs
     assert {"evaluation.json", "report.html"} <= set(stored(client, bucket))
-    assert run_dir == remote.staging_folder(url, kind="read+1")
+    assert run_dir == s3_mirror.staging_folder(url, kind="read+1")
 
 
 def test_a_staging_folder_of_the_run_under_another_id_keeps_what_an_outage_kept_back(prefix, net, tmp_path):
@@ -172,11 +172,11 @@ def test_a_staging_folder_of_the_run_under_another_id_keeps_what_an_outage_kept_
     url, bucket, client = prefix
     model, optimizer = net
     staging = tmp_path / "one"
-    mirror = remote.Mirror(url, str(staging), OPTIONS)
+    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
     mirror.check()
     kept_back = two_up_and_one_kept_back(mirror, staging, model, optimizer)
     client.delete_object(Bucket=bucket, Key=f"runs/a/{RECORD}")
-    again = remote.Mirror(url, str(staging), OPTIONS)
+    again = s3_mirror.Mirror(url, str(staging), OPTIONS)
     again.check()
     assert again.pull() == kept_back
     assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in stored(client, bucket)
@@ -195,17 +195,17 @@ def test_a_run_staged_before_the_store_was_in_the_staging_folders_name_keeps_wha
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     at_endpoint = dataclasses.replace(OPTIONS, endpoint=s3_server.url)
     beside = url.replace("/runs/a/", "/runs/b/")
-    before, other = Path(remote.staging_folder(url)), Path(remote.staging_folder(beside))
-    mirror = remote.Mirror(url, str(before), at_endpoint)
+    before, other = Path(s3_mirror.staging_folder(url)), Path(s3_mirror.staging_folder(beside))
+    mirror = s3_mirror.Mirror(url, str(before), at_endpoint)
     mirror.check()
     kept_back = two_up_and_one_kept_back(mirror, before, model, optimizer)
     (before / "metrics.csv").write_text("epoch\n1\n2\n3\n")
     save(other, 0, model, optimizer, epoch=4)
     for output in (url, beside):
         values = {"data": {"train": str(tmp_path / "images"), "s3_endpoint": s3_server.url}, "run": {"output": output}}
-        cfg = remote.stage(config.build(values))
+        cfg = s3_mirror.stage(config.build(values))
         stages.prepare_output(cfg, Context())
-    assert os.path.basename(remote.latest_checkpoint(remote.staging_folder(url, s3_server.url)).path) == kept_back
+    assert os.path.basename(s3_mirror.latest_checkpoint(s3_mirror.staging_folder(url, s3_server.url)).path) == kept_back
     keys = stored(client, bucket)
     assert f"checkpoints/{kept_back}/{checkpoints.STATE_FILE}" in keys
     assert client.get_object(Bucket=bucket, Key="runs/a/metrics.csv")["Body"].read() == b"epoch\n1\n2\n3\n"

@@ -22,7 +22,7 @@ from hvd_train.distributed import start
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.compat import keras, tf
 from hvd_train.model.catalogue import HEAD_LAYER
-from hvd_train.training.schedules import WarmupSchedule, graph_rate
+from hvd_train.model.schedules import WarmupSchedule, graph_rate
 
 ctx = start.init(1)
 use_step_seeded_dropout()

@@ -39,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.model.sharded_net import SplitScorer
     from hvd_train.results.evaluation import evaluate, evaluate_sharded
     from hvd_train.results.inference import load_trained
-    from hvd_train.training import remote
+    from hvd_train.training import s3_mirror
 
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
-    args.model_dir, mirror = ctx.agree(lambda: remote.open_run(args.model_dir, s3), name="open_run")
+    args.model_dir, mirror = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3), name="open_run")
     # A head saved as files is split over the ranks (each holds its columns), whole in one process.
     trained = ctx.agree(lambda: load_trained(args.model_dir, split=ctx.size > 1), name="load_model")
     if trained.head is not None and len(trained.classes) < ctx.size:

@@ -83,14 +83,14 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.log import get_logger
     from hvd_train.results.export import folder as export_folder
     from hvd_train.results.inference import load_trained
-    from hvd_train.training import remote
+    from hvd_train.training import s3_mirror
 
     log = get_logger("export")
     ctx = start.init()
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
     # A run in S3: its local copy; the export is uploaded beside it.
-    args.run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint), "RUN_DIR")
+    args.run_dir, mirror = s3_mirror.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint), "RUN_DIR")
     trained = load_trained(args.run_dir)
     summary = read_json(os.path.join(args.run_dir, "summary.json"), {})
     folder = args.output or os.path.join(args.run_dir, "export")

@@ -54,11 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.storage import S3Options
     from hvd_train.distributed import start
     from hvd_train.results.inference import load_trained
-    from hvd_train.training import remote
+    from hvd_train.training import s3_mirror
 
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
-    args.model_dir = ctx.agree(lambda: remote.open_run(args.model_dir, s3)[0], name="open_run")
+    args.model_dir = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3)[0], name="open_run")
     files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     # Every image decoded before predicting: a few files, and each must get an answer or a reason.

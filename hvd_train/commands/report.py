@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.storage import S3Options
     from hvd_train.log import get_logger
     from hvd_train.results import report_page
-    from hvd_train.training import remote
+    from hvd_train.training import s3_mirror
 
-    run_dir, mirror = remote.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint), "RUN_DIR")
+    run_dir, mirror = s3_mirror.open_run(args.run_dir, S3Options(endpoint=args.s3_endpoint), "RUN_DIR")
     path = report_page.write(run_dir, args.output)
     if mirror is not None:  # a run in S3: the page goes up beside it, unless written elsewhere
         mirror.push_outputs()

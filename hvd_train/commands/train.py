@@ -45,11 +45,11 @@ def _start(args: argparse.Namespace):
     import os
 
     from hvd_train.errors import UserError
-    from hvd_train.training import remote
+    from hvd_train.training import s3_mirror
 
     try:
         # An S3 --output: the run writes its staging folder, which rank 0 mirrors to the prefix.
-        cfg = remote.stage(config.from_sources(args))
+        cfg = s3_mirror.stage(config.from_sources(args))
     except UserError as e:
         # Every rank parsed the same flags and failed the same way: rank 0 says so.
         raise UserError(str(e), agreed=True) from None

@@ -6,10 +6,10 @@ import math
 import os
 from typing import Any
 
+from hvd_train.config import own_model
 from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, TrainConfig
 from hvd_train.data.storage import is_s3, redact_url
 from hvd_train.errors import UserError
-from hvd_train.model import own
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -30,7 +30,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         "give a URL such as http://127.0.0.1:9000",
     )
     _require(
-        not (own.is_own(m.name) and m.weights == "imagenet"),
+        not (own_model.is_own(m.name) and m.weights == "imagenet"),
         "--weights",
         m.weights,
         f"--model {m.name} is a backbone of your own, without ImageNet weights: pass none, or a weights file of it",

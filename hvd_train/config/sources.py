@@ -10,10 +10,10 @@ from typing import Any
 
 import yaml
 
+from hvd_train.config import own_model
 from hvd_train.config.checks import validate
 from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, OptimConfig, TrainConfig, default_weight_decay
 from hvd_train.errors import UserError
-from hvd_train.model import own
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -102,7 +102,7 @@ def from_sources(args: argparse.Namespace | None = None, yaml_path: str | None =
     cfg = validate(build(values))
     # A model file of the user's own is recorded by its absolute path: predict, export and a resume
     # find it from any folder.
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=own.absolute(cfg.model.name)))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=own_model.absolute(cfg.model.name)))
 
 
 def from_mapping(loaded: dict[str, Any], where: str) -> TrainConfig:

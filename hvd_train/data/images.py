@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from hvd_train.compat import tf
 from hvd_train.data import storage
 from hvd_train.data.fetcher import Fetcher
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 
 # --alpha-background: what transparent pixels are composited over.
 ALPHA_BACKGROUNDS = {"white": 255, "black": 0, "gray": 128}
@@ -299,7 +299,7 @@ def _reason(path: str) -> str:
     try:
         contents = tf.io.read_file(storage.os_bytes(path))
     except tf.errors.OpError as e:
-        return _first_line(e.message)
+        return first_line(e.message) or "unreadable"
     return reason_for(contents)
 
 
@@ -310,17 +310,10 @@ def reason_for(contents) -> str:
     try:
         image = decode(contents)
     except tf.errors.OpError as e:
-        return _first_line(e.message)
+        return first_line(e.message) or "unreadable"
     if 0 in image.shape[:2]:
         return "image has no pixels"
     return "unreadable"
-
-
-def _first_line(message: str) -> str:
-    line = message.strip().splitlines()[0] if message.strip() else "unreadable"
-    # TensorFlow prefixes errors with the op's function node; keep the reason.
-    line = line.split("}}", 1)[-1].strip()
-    return line.split(" [Op:", 1)[0].strip() or "unreadable"
 
 
 def sort_out(stream: Iterable[tuple[int, bytes]]) -> Iterator[tuple[int, bytes, str | None]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import re
 import threading
 import time
 import unicodedata
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hvd_train import files
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
 
 log = get_logger("data")
@@ -328,14 +327,6 @@ def s3_message(e: Exception, action: str, bucket: str, key: str, endpoint: str, 
     if code:
         return f"S3 error {code} when trying to {action} {where}{via}: {first_line(e)}"
     return f"cannot {action} {where}{via}: {type(e).__name__}: {first_line(e)}"
-
-
-def first_line(e: Exception) -> str:
-    """An error's first line for a message, with no ``user:password@`` of any URL it quotes."""
-    text = str(e).strip()
-    # botocore quotes the request URL in some errors, user:password@ of the endpoint included.
-    text = re.sub(r"(\w+://)[^/@\s\"']+@", r"\1", text)
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 _clients: dict[tuple, object] = {}

@@ -105,6 +105,41 @@ class HeadGroups:
     def parallel(self) -> int:
         return self.layout.parallel
 
+    # The sharded head's exchanges: its maths calls these, never Horovod, so a stand-in of one process
+    # (the tests') can take their place.
+
+    def gather(self, tensor, name: str):
+        """``tensor`` of every rank of the group, in rank order, along the first axis."""
+        import horovod.tensorflow as hvd
+
+        return hvd.allgather(tensor, process_set=self.group, name=name)
+
+    def scatter_sum(self, tensor, name: str):
+        """The group's sum of ``tensor``, cut along the first axis into equal parts: this rank's part."""
+        import horovod.tensorflow as hvd
+
+        return hvd.reducescatter(tensor, op=hvd.Sum, process_set=self.group, name=name)
+
+    def group_sum(self, tensor, name: str):
+        """The group's sum of ``tensor``."""
+        import horovod.tensorflow as hvd
+
+        return hvd.allreduce(tensor, op=hvd.Sum, process_set=self.group, name=name)
+
+    def peers_average(self, tensors: list, name: str) -> list:
+        """Each of ``tensors`` averaged over the ranks that hold this shard in every group (as they are with one)."""
+        if self.peers is None:
+            return list(tensors)
+        import horovod.tensorflow as hvd
+
+        return hvd.grouped_allreduce(list(tensors), op=hvd.Average, process_set=self.peers, name=name)
+
+    def broadcast(self, array, name: str):
+        """Rank 0's ``array`` on every rank of the job (every rank calls this)."""
+        import horovod.tensorflow as hvd
+
+        return hvd.broadcast(array, root_rank=0, name=name)
+
 
 def register(layout: Layout, rank: int) -> HeadGroups:
     """Adds the groups' and the peers' process sets (every rank, same order) and gives this rank's.

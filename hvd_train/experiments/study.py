@@ -28,8 +28,8 @@ import socket
 import time
 from typing import Any
 
-from hvd_train.data.storage import first_line, redact_url
-from hvd_train.errors import UserError
+from hvd_train.data.storage import redact_url
+from hvd_train.errors import UserError, first_line
 from hvd_train.experiments.spec import Sweep
 from hvd_train.log import get_logger
 

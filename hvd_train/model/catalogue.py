@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvd_train.compat import keras, tf
-from hvd_train.config import ModelConfig
+from hvd_train.config import ModelConfig, own_model
 from hvd_train.errors import UserError
 from hvd_train.model import own
 
@@ -156,7 +156,7 @@ def get_spec(name: str) -> ModelSpec:
         UserError: no model, or several, answer to the name; the message
             lists the candidates.
     """
-    if own.is_own(name):
+    if own_model.is_own(name):
         builder, module, preprocess = own.load(name)
         return ModelSpec(name, own.constructor(name, builder), module, 224, preprocess or _tf_mode)
     specs = available_models()

@@ -49,7 +49,7 @@ from hvd_train.distributed import context, gradients
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.model.mixing import Mixer, training_loss
-from hvd_train.training.schedules import graph_rate
+from hvd_train.model.schedules import graph_rate
 
 # The sums a call of the steps reports (``Net.run_steps``): asked to stop, a timed checkpoint due,
 # seconds per step, and ranks whose loss is not finite.

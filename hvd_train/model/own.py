@@ -16,20 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from hvd_train.errors import UserError
-
-
-def is_own(name: str) -> bool:
-    """Whether ``--model`` names a function of the user's rather than a Keras applications model."""
-    return ":" in name
-
-
-def absolute(name: str) -> str:
-    """``name`` with a relative ``FILE.py`` made absolute (any other name as it is): a run names it from anywhere."""
-    where, _, function = name.rpartition(":")
-    if where.endswith(".py") and not os.path.isabs(where):
-        return f"{os.path.abspath(where)}:{function}"
-    return name
+from hvd_train.errors import UserError, first_line
 
 
 def load(name: str) -> tuple[Callable, str, Callable | None]:
@@ -49,7 +36,7 @@ def load(name: str) -> tuple[Callable, str, Callable | None]:
     except UserError:
         raise
     except Exception as e:  # whatever the user's module raises as it is imported
-        raise UserError(f"--model {name!r}: importing {where} failed: {_first_line(e)}") from None
+        raise UserError(f"--model {name!r}: importing {where} failed: {first_line(e, named=True, limit=200)}") from None
     builder = getattr(module, function, None)
     if not callable(builder):
         raise UserError(f"--model {name!r}: {where} has no function {function}; name one it defines.")
@@ -90,7 +77,9 @@ def constructor(name: str, builder: Callable) -> Callable:
         except UserError:
             raise
         except Exception as e:
-            raise UserError(f"--model {name} failed to build at input {input_shape}: {_first_line(e)}") from None
+            raise UserError(
+                f"--model {name} failed to build at input {input_shape}: {first_line(e, named=True, limit=200)}"
+            ) from None
         if not isinstance(model, keras.Model) or len(model.output_shape) != 4:
             got = f"output {model.output_shape}" if isinstance(model, keras.Model) else type(model).__name__
             raise UserError(
@@ -102,8 +91,3 @@ def constructor(name: str, builder: Callable) -> Callable:
         return model
 
     return build
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__

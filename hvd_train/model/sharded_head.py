@@ -77,12 +77,10 @@ def head_step(
         classes: all classes of the head.
         smoothing: label smoothing (Keras's: ``1 - s`` on the label, ``s / classes`` on every class).
     """
-    import horovod.tensorflow as hvd
-
-    group, parallel = groups.group, groups.parallel
+    parallel = groups.parallel
     batch = tf.shape(features)[0]
     count = tf.shape(kernel)[1]
-    all_weights = hvd.allgather(tf.cast(weights, tf.float32), process_set=group, name="head_step.weights")
+    all_weights = groups.gather(tf.cast(weights, tf.float32), "head_step.weights")
     rows, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_step")
     largest = tf.reduce_max(logits, axis=1)
     summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
@@ -92,7 +90,7 @@ def head_step(
         [tf.cast(v, tf.float64) for v in (largest, summed, label_logit, tf.reduce_sum(logits, axis=1))] + [best],
         axis=1,
     )
-    every = tf.reshape(hvd.allgather(stats, process_set=group, name="head_step.stats"), [parallel, -1, 5])
+    every = tf.reshape(groups.gather(stats, "head_step.stats"), [parallel, -1, 5])
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
     row_loss = normalizer - (1.0 - smoothing) * tf.reduce_sum(every[..., 2], axis=0)
@@ -108,7 +106,7 @@ def head_step(
     d_kernel = tf.matmul(rows, d_logits, transpose_a=True) / parallel
     d_bias = tf.reduce_sum(d_logits, axis=0) / parallel
     d_rows = tf.matmul(d_logits, kernel, transpose_b=True)
-    d_features = hvd.reducescatter(d_rows, op=hvd.Sum, process_set=group, name="head_step.d_features")
+    d_features = groups.scatter_sum(d_rows, "head_step.d_features")
 
     loss = tf.reduce_sum(tf.cast(row_loss, tf.float32) * all_weights) / (batch_f * parallel)
     own = tf.range(batch) + groups.shard * batch  # training batches are the same size on every rank
@@ -118,20 +116,14 @@ def head_step(
 def peers_average(grads: list, groups: HeadGroups) -> list:
     """The shard's gradients from ``head_step``, averaged over the ranks that hold the same shard in the
     other groups: the data-parallel average over all ranks (unchanged with one group)."""
-    if groups.peers is None:
-        return list(grads)
-    import horovod.tensorflow as hvd
-
-    return hvd.grouped_allreduce(list(grads), op=hvd.Average, process_set=groups.peers, name="head.peers")
+    return groups.peers_average(grads, "head.peers")
 
 
 def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups, name: str):
     """The group's rows (float32), the logits of this rank's classes for them, and where each row's label
     falls in this shard (``local``, valid where ``mine``)."""
-    import horovod.tensorflow as hvd
-
-    rows = tf.cast(hvd.allgather(features, process_set=groups.group, name=f"{name}.features"), tf.float32)
-    all_labels = hvd.allgather(tf.cast(labels, tf.int32), process_set=groups.group, name=f"{name}.labels")
+    rows = tf.cast(groups.gather(features, f"{name}.features"), tf.float32)
+    all_labels = groups.gather(tf.cast(labels, tf.int32), f"{name}.labels")
     logits = tf.matmul(rows, kernel) + bias
     local = all_labels - first
     mine = (local >= 0) & (local < tf.shape(kernel)[1])
@@ -151,9 +143,7 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     leaves it out. Every rank of the group must call this as often, with
     batches of any size (none at all included).
     """
-    import horovod.tensorflow as hvd
-
-    group, parallel = groups.group, groups.parallel
+    parallel = groups.parallel
     batch = tf.shape(features)[0]
     _, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_scores")
     largest = tf.reduce_max(logits, axis=1)
@@ -166,9 +156,7 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
         ],
         axis=1,
     )
-    every = tf.reshape(
-        hvd.allgather(tf.cast(stats, tf.float64), process_set=group, name="head_scores.stats"), [parallel, -1, 4]
-    )
+    every = tf.reshape(groups.gather(tf.cast(stats, tf.float64), "head_scores.stats"), [parallel, -1, 4])
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
     loss = normalizer - tf.reduce_sum(every[..., 2], axis=0)
@@ -179,8 +167,8 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     pad = [[0, 0], [0, k - shard_k]]
     values = tf.pad(values, pad, constant_values=float("-inf"))
     indices = tf.pad(indices + first, pad, constant_values=-1)
-    values = tf.reshape(hvd.allgather(values, process_set=group, name="head_scores.values"), [parallel, -1, k])
-    indices = tf.reshape(hvd.allgather(indices, process_set=group, name="head_scores.indices"), [parallel, -1, k])
+    values = tf.reshape(groups.gather(values, "head_scores.values"), [parallel, -1, k])
+    indices = tf.reshape(groups.gather(indices, "head_scores.indices"), [parallel, -1, k])
     values = tf.reshape(tf.transpose(values, [1, 0, 2]), [-1, parallel * k])
     indices = tf.reshape(tf.transpose(indices, [1, 0, 2]), [-1, parallel * k])
     _, best = tf.math.top_k(values, k)
@@ -188,7 +176,7 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
 
     # A held-out batch may be shorter on some ranks (the last, or none): this rank's rows start after its
     # group's lower ranks' rows.
-    sizes = hvd.allgather(tf.reshape(batch, [1]), process_set=group, name="head_scores.sizes")
+    sizes = groups.gather(tf.reshape(batch, [1]), "head_scores.sizes")
     own = tf.range(batch) + tf.reduce_sum(sizes[: groups.shard])
     labels = tf.cast(labels, tf.int32)
     finite = tf.gather(tf.reduce_min(every[..., 3], axis=0) > 0, own)

@@ -7,7 +7,7 @@ optimizer, is the same whatever the layout. The head is this rank's shard
 of their own (plain Keras: their gradients come averaged from
 ``head_step``), started from its columns of the head every layout starts
 from (``head_start``). Checkpoints hold it whole
-(``training/head_files``), so a run resumes on any world size and any G;
+(``model/sharded_files``), so a run resumes on any world size and any G;
 an unsplit run reads it whole, and a split run takes an unsplit run's
 head from its checkpoint (``whole_head_files``).
 """
@@ -21,12 +21,12 @@ import numpy as np
 from hvd_train.compat import keras, tf
 from hvd_train.config import TrainConfig
 from hvd_train.distributed.groups import HeadGroups, shard_range
+from hvd_train.model import sharded_files
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, keras_optimizer
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average
-from hvd_train.training import head_files
 
 
 class ShardedNet(Net):
@@ -156,14 +156,14 @@ class ShardedNet(Net):
     def gather_head(self, folder: str | None) -> None:
         """Writes the whole head's arrays to ``folder`` (rank 0); every rank of the first group takes part."""
         for name, variable in self.head_arrays().items():
-            head_files.gather_into(folder, name, variable.numpy(), self.head, self.classes)
+            sharded_files.gather_into(folder, name, variable.numpy(), self.head, self.classes)
 
     def restore_head(self, folder: str | None, is_root: bool) -> None:
         """Takes this rank's columns of the head saved in ``folder`` (rank 0 reads; every rank takes part)."""
         for name, variable in self.head_arrays().items():
             variable.assign(
-                head_files.broadcast_columns(
-                    folder if is_root else None, name, variable.numpy(), self.first, self.classes
+                sharded_files.broadcast_columns(
+                    folder if is_root else None, name, variable.numpy(), self.first, self.classes, self.head
                 )
             )
 
@@ -173,7 +173,7 @@ class ShardedNet(Net):
         for layer in self.model.layers:
             if layer.weights:
                 full.get_layer(layer.name).set_weights(layer.get_weights())
-        head_files.load_whole(full.get_layer(HEAD_LAYER), folder)
+        sharded_files.load_whole(full.get_layer(HEAD_LAYER), folder)
         return full
 
     def score_batch(self, images, labels, k: int):
@@ -192,14 +192,14 @@ class SplitScorer:
         self.model, self.head = features, register(Layout(size, size), rank)  # one group: Horovod's global set
         self.first, count = shard_range(classes, size, rank)
         self.kernel, self.bias = (
-            tf.constant(head_files.read_columns(folder, n, self.first, count, classes)) for n in ("kernel", "bias")
+            tf.constant(sharded_files.read_columns(folder, n, self.first, count, classes)) for n in ("kernel", "bias")
         )
 
     score_batch = ShardedNet.score_batch
 
 
 def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:
-    """The head's variables by file name (``head_files``): kernel, bias, then ``optimizer``'s values for each
+    """The head's variables by file name (``sharded_files``): kernel, bias, then ``optimizer``'s values for each
     (``slot-m-predictions-kernel``: the same names for the split head's optimizer and a whole model's)."""
     arrays = {"kernel": kernel, "bias": bias}
     for variable in optimizer.variables:
@@ -231,7 +231,7 @@ def stage_head(net, ctx, output: str) -> str | None:
 
 
 def whole_head_files(cfg: TrainConfig, classes: int, image_size: int, precision: str, ckpt: str, folder: str) -> None:
-    """Writes the head of an unsplit run's checkpoint ``ckpt`` to ``folder`` as ``head_files`` (rank 0).
+    """Writes the head of an unsplit run's checkpoint ``ckpt`` to ``folder`` as ``sharded_files`` (rank 0).
 
     The whole model and its optimizer are built once and restored, as the
     run that wrote them held them: a head that run could hold fits here.
@@ -247,4 +247,4 @@ def whole_head_files(cfg: TrainConfig, classes: int, image_size: int, precision:
     layer = full.get_layer(HEAD_LAYER)
     os.makedirs(folder, exist_ok=True)
     for name, variable in head_arrays(layer.kernel, layer.bias, optimizer).items():
-        np.save(head_files.path_of(folder, name), variable.numpy())
+        np.save(sharded_files.path_of(folder, name), variable.numpy())

@@ -167,10 +167,9 @@ def _train_steps(cfg: BenchConfig, ctx: Context) -> Timings:
     from hvd_train.compat import tf
     from hvd_train.config import TrainConfig, build
     from hvd_train.distributed import gradients
-    from hvd_train.model import compute
+    from hvd_train.model import compute, schedules
     from hvd_train.model.catalogue import build_model
     from hvd_train.model.network import REPORT_FLAGS, Net, use_step_seeded_dropout
-    from hvd_train.training import schedules
 
     numerics = ctx.broadcast_object(compute.resolve(cfg.precision) if ctx.is_root else None, name="bench_precision")
     train_cfg: TrainConfig = build(

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from hvd_train.errors import UserError
-from hvd_train.training.schedules import linear_scaling
+from hvd_train.model.schedules import linear_scaling
 
 BACKWARD_SHARE = 2 / 3  # of a step: the backward pass, during which gradients are ready to send
 

@@ -188,8 +188,6 @@ def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Conte
     for batches of any size: a rank that traced it again alone, for a
     shorter batch, hung its group in Horovod.
     """
-    import horovod.tensorflow as hvd
-
     k = min(TOP_K, num_classes)
     specs = dataset.element_spec
     step = tf.function(lambda images, labels: net.score_batch(images, labels, k), autograph=False)
@@ -199,9 +197,7 @@ def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Conte
     batches = iter(dataset)
     for i in itertools.count():
         batch = next(batches, None)
-        left = hvd.allreduce(
-            tf.constant(batch is not None, tf.int32), op=hvd.Sum, process_set=net.head.group, name=f"{name}.left.{i}"
-        )
+        left = net.head.group_sum(tf.constant(batch is not None, tf.int32), f"{name}.left.{i}")
         if not int(left):
             break
         images, labels = batch if batch is not None else empty

@@ -11,8 +11,8 @@ import yaml
 from hvd_train.compat import keras
 from hvd_train.errors import UserError
 from hvd_train.files import read_json, sha256
+from hvd_train.model import sharded_files
 from hvd_train.model.catalogue import get_spec
-from hvd_train.training import head_files
 
 # What a finished run leaves for inference, written together (training/finish.py).
 MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
@@ -25,7 +25,7 @@ def saved_names(folder: str) -> tuple[str, ...]:
     ``features.keras`` and the head's arrays; then ``labels.json`` and ``run_config.yaml``."""
     if os.path.isfile(os.path.join(folder, MODEL)) or not os.path.isfile(os.path.join(folder, FEATURES)):
         return (MODEL, LABELS, CONFIG)
-    return (FEATURES, *(os.path.basename(head_files.path_of(folder, n)) for n in HEAD_ARRAYS), LABELS, CONFIG)
+    return (FEATURES, *(os.path.basename(sharded_files.path_of(folder, n)) for n in HEAD_ARRAYS), LABELS, CONFIG)
 
 
 def model_files(folder: str) -> dict[str, str]:
@@ -127,7 +127,7 @@ def whole_model(features, folder: str, classes: int):
         )
     outputs = keras.layers.Dense(classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(features.output)
     model = keras.Model(features.inputs, outputs, name=features.name)
-    head_files.load_whole(model.get_layer(HEAD_LAYER), folder)
+    sharded_files.load_whole(model.get_layer(HEAD_LAYER), folder)
     return model
 
 
@@ -136,7 +136,7 @@ def _check_head(model_dir: str, classes: int) -> None:
     import numpy as np
 
     for name in HEAD_ARRAYS:
-        path = head_files.path_of(model_dir, name)
+        path = sharded_files.path_of(model_dir, name)
         try:
             found = np.load(path, mmap_mode="r").shape[-1]
         except (OSError, ValueError) as e:

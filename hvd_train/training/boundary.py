@@ -23,7 +23,7 @@ from hvd_train.log import get_logger
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import stage_head
-from hvd_train.training import checkpoints, divergence, remote
+from hvd_train.training import checkpoints, divergence, s3_mirror
 from hvd_train.training.job import History, Job
 from hvd_train.training.preemption import Preempted, StopRequests
 from hvd_train.training.state import TrainState
@@ -135,7 +135,7 @@ class Boundary:
         """The error that ends a diverged run (``divergence``), naming its last finite checkpoint: the one it
         wrote last, or resumed from."""
         last = self._written or self.history.resumed_from
-        where = remote.location(self.cfg.run.output, last) if last else None
+        where = s3_mirror.location(self.cfg.run.output, last) if last else None
         lr = float(self.net.optimizer.learning_rate.numpy())
         return divergence.error(self.cfg, self.state, lr, what, where, is_loss_scaled(self.net.optimizer))
 
@@ -146,7 +146,7 @@ class Boundary:
         raise Preempted(
             f"stopped by {by} in epoch {state.epoch + 1}/{self.cfg.run.epochs} after step {state.epoch_steps} "
             f"({state.samples} of {state.total} images of the epoch); "
-            f"checkpoint {remote.location(self.cfg.run.output, path)}; "
+            f"checkpoint {s3_mirror.location(self.cfg.run.output, path)}; "
             f"rerun the same command to continue."
         )
 
@@ -205,7 +205,7 @@ class Boundary:
                 self.cfg.run.keep_checkpoints,
                 extra=head,
             )
-            mirror = remote.of(self.cfg.run.output)
+            mirror = s3_mirror.of(self.cfg.run.output)
             if mirror is not None:  # an S3 --output: the checkpoint goes up before the run goes on
                 mirror.push_checkpoint(path)
             return path

@@ -41,8 +41,7 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 
-from hvd_train.compat import tf
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
 from hvd_train.training.state import TrainState
 
@@ -132,6 +131,8 @@ def save(
         UserError: the checkpoint could not be written (no space, no
             permission); the previous ones are untouched.
     """
+    from hvd_train.compat import tf  # here, not above: the S3 mirror reads checkpoints before TensorFlow may load
+
     root = folder(output)
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}")
@@ -185,9 +186,7 @@ def _reason(e: Exception) -> str:
     """Why a write failed, in the words of the OS: an OSError's, or the text inside TensorFlow's."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", text)  # "{{function_node __wrapped__SaveV2_...}}"
-    return re.sub(r"\s*\[Op:\w+\]$", "", text)
+    return first_line(e)
 
 
 def _body_checksum(body: dict) -> str:
@@ -355,6 +354,8 @@ def restore(found: Found, model, optimizer, partial: bool = False) -> dict[str, 
     Raises:
         UserError: the checkpoint was written for a different model.
     """
+    from hvd_train.compat import tf
+
     path = found.path
     try:
         status = tf.train.Checkpoint(model=model, optimizer=optimizer).read(os.path.join(path, "ckpt"))

@@ -32,7 +32,7 @@ from hvd_train.model.sharded_net import features_view, stage_head
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
 from hvd_train.results.inference import CONFIG, FEATURES, LABELS, MODEL, model_files
-from hvd_train.training import early_stop, epoch_end, remote, split_head
+from hvd_train.training import early_stop, epoch_end, s3_mirror, split_head
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
@@ -135,7 +135,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
             write_hparams(cfg, summary)
         if history.tracker is not None:
             history.tracker.finish(summary)
-    mirror = remote.of(cfg.run.output)
+    mirror = s3_mirror.of(cfg.run.output)
     if mirror is not None:  # an S3 --output: everything up, summary.json last
         ctx.on_root(lambda: mirror.finish(summary), name="upload_outputs")
     elif ctx.is_root:

@@ -19,9 +19,9 @@ from hvd_train.data.folder import ImageSet
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.pipeline import STRIDED
 from hvd_train.data.sharding import Layout
+from hvd_train.model import schedules
 from hvd_train.model.catalogue import ModelSpec
 from hvd_train.results.evaluation import EvalResult
-from hvd_train.training import schedules
 from hvd_train.training.state import TrainState
 
 

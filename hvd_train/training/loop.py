@@ -28,8 +28,9 @@ from hvd_train.data.streams import input_errors
 from hvd_train.distributed import start
 from hvd_train.distributed.context import Context
 from hvd_train.log import Ticker, get_logger
+from hvd_train.model import schedules
 from hvd_train.model.network import REPORT_FLAGS, Net
-from hvd_train.training import early_stop, epoch_end, schedules
+from hvd_train.training import early_stop, epoch_end
 from hvd_train.training.audit import SampleLog
 from hvd_train.training.boundary import Boundary
 from hvd_train.training.job import History, Job, Plan

@@ -1,5 +1,5 @@
 """The S3 prefix of a run and its staging folder, file by file (``Prefix``; what a run does with them is
-``remote.Mirror``, what of the prefix is the run's is ``run_record``, where the staging folder is
+``s3_mirror.Mirror``, what of the prefix is the run's is ``run_record``, where the staging folder is
 ``staging_folders``).
 
 * **Keys are file names of the staging folder.** Whoever may write to the
@@ -30,10 +30,10 @@ import time
 
 from hvd_train import files
 from hvd_train.data import storage
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
-from hvd_train.training import run_record
-from hvd_train.training.run_record import CHECKPOINTS, RECORD, bad_part, checkpoints
+from hvd_train.training import checkpoints, run_record
+from hvd_train.training.run_record import CHECKPOINTS, RECORD, bad_part
 
 log = get_logger("output")
 
@@ -278,7 +278,7 @@ class Prefix:
                     "S3: writing %s%s failed (%s); trying again (attempt %d of %d)",
                     self.url,
                     rel,
-                    storage.first_line(e),
+                    first_line(e),
                     attempt + 1,
                     attempts,
                 )

@@ -39,6 +39,7 @@ import uuid
 from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
+from hvd_train.training import checkpoints
 
 CHECKPOINTS = "checkpoints/"
 RECORD = ".hvd_train-run.json"
@@ -53,18 +54,6 @@ _EARLIER_RUN = ("run_config.yaml", "summary.json")
 # The longest part of a key (in UTF-8 bytes) that a staging folder holds: a file system takes 255, and a
 # file is written under a temporary name of up to about 100 bytes more (``files.replacing``).
 MAX_PART_BYTES = 150
-
-
-class _Checkpoints:
-    """``training.checkpoints``, imported when first used: ``remote.stage`` runs before TensorFlow may load."""
-
-    def __getattr__(self, name: str):
-        from hvd_train.training import checkpoints as module
-
-        return getattr(module, name)
-
-
-checkpoints = _Checkpoints()
 
 
 class OtherWriter(UserError):

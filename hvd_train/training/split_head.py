@@ -14,8 +14,9 @@ from hvd_train.distributed.context import Context
 from hvd_train.distributed.groups import HeadGroups
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
+from hvd_train.model import sharded_files
 from hvd_train.results.inference import FEATURES, HEAD_ARRAYS, MODEL
-from hvd_train.training import checkpoints, head_files
+from hvd_train.training import checkpoints
 from hvd_train.training.job import Job
 
 log = get_logger("train")
@@ -54,18 +55,18 @@ def restore_any_layout(job: Job, net, found: checkpoints.Found):
 
     head = found.path
     if isinstance(net, ShardedNet):
-        if not head_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
+        if not sharded_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
             head = unsplit_head(job, found)
-        head_files.check(head, net.head_arrays(), net.classes)
+        sharded_files.check(head, net.head_arrays(), net.classes)
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-    elif head_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
+    elif sharded_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
         layer = net.model.get_layer(HEAD_LAYER)
         arrays = head_arrays(layer.kernel, layer.bias, net.optimizer)
         classes = len(job.classes)
-        head_files.check(found.path, arrays, classes)
+        sharded_files.check(found.path, arrays, classes)
         rows = checkpoints.restore(found, features_view(net.model), net.optimizer, partial=True)["rows"]
         for name, variable in arrays.items():
-            variable.assign(head_files.read_columns(found.path, name, 0, classes, classes))
+            variable.assign(sharded_files.read_columns(found.path, name, 0, classes, classes))
     else:
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
     return rows, head
@@ -141,12 +142,12 @@ def save_form(cfg: TrainConfig, net, classes: int) -> tuple[str, str]:
 def move_head_files(staging: str, output: str) -> None:
     """The kernel and bias gathered into ``staging`` moved into ``output``, beside ``features.keras``."""
     for name in HEAD_ARRAYS:
-        os.replace(head_files.path_of(staging, name), head_files.path_of(output, name))
+        os.replace(sharded_files.path_of(staging, name), sharded_files.path_of(output, name))
 
 
 def remove_other_form(output: str, form: str) -> None:
     """The files of the other form of saved model, from an earlier run into ``output``."""
-    stale = [MODEL] if form == "files" else [FEATURES, *(head_files.path_of("", n) for n in HEAD_ARRAYS)]
+    stale = [MODEL] if form == "files" else [FEATURES, *(sharded_files.path_of("", n) for n in HEAD_ARRAYS)]
     for name in stale:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(output, name))

@@ -34,7 +34,7 @@ from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.sharded_net import ShardedNet
-from hvd_train.training import checkpoints, lr_find, remote
+from hvd_train.training import checkpoints, lr_find, s3_mirror
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
 from hvd_train.training.split_head import head_groups, restore_any_layout, take_head
@@ -47,7 +47,7 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
     """Rank 0 makes the output folder, or says why it cannot.
 
     An S3 ``--output``: its staging folder (a cache), and a prefix that can be listed and written;
-    a resume makes the staging folder a copy of the run in the prefix (``remote.Mirror.pull``).
+    a resume makes the staging folder a copy of the run in the prefix (``s3_mirror.Mirror.pull``).
     Nothing of an earlier run changes until training starts (``start_state``):
     a mistyped ``--data`` must not cost it its checkpoints, nor its model the
     ``labels.json`` and ``run_config.yaml`` that describe it.
@@ -61,10 +61,10 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
             probe.close()
         except OSError as e:
             raise UserError(f"cannot write to output folder {out} ({e.strerror}); choose another --output.") from None
-        mirror = remote.of(out)
+        mirror = s3_mirror.of(out)
         if mirror is not None:
             mirror.check()
-            if cfg.run.resume:  # names the checkpoint that start_state must restore (remote.latest_checkpoint)
+            if cfg.run.resume:  # names the checkpoint that start_state must restore (s3_mirror.latest_checkpoint)
                 mirror.pull()
             else:  # the checkpoints go once training starts, the model beside them with the new run's end
                 mirror.pull_outputs()
@@ -209,13 +209,13 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     def restore():
         out = cfg.run.output
         if not cfg.run.resume:
-            removed, mirror = checkpoints.remove_all(out), remote.of(out)
+            removed, mirror = checkpoints.remove_all(out), s3_mirror.of(out)
             if mirror is not None:
                 removed = max(removed, mirror.remove_checkpoints())
             if removed:
                 log.info("--no-resume: removed %d checkpoint(s) of an earlier run from %s", removed, out)
             return None
-        found = remote.latest_checkpoint(out)
+        found = s3_mirror.latest_checkpoint(out)
         if found is None:
             return None
         _check_same_recipe(job, found)

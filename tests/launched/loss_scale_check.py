@@ -22,7 +22,7 @@ from hvd_train.distributed import gradients, start
 from hvd_train.model import compute
 from hvd_train.model.catalogue import build_model
 from hvd_train.model.network import Net, use_step_seeded_dropout
-from hvd_train.training.schedules import WarmupSchedule
+from hvd_train.model.schedules import WarmupSchedule
 
 out_dir = sys.argv[1]
 ctx = start.init(threads_per_rank=1)

@@ -29,11 +29,11 @@ ctx = start.init(threads_per_rank=1, process_sets=True)
 import horovod.tensorflow as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from hvd_train.model import sharded_files  # noqa: E402
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average  # noqa: E402
 from hvd_train.results.evaluation import score_logits  # noqa: E402
-from hvd_train.training import head_files  # noqa: E402
 
-head_files.CHUNK_BYTES = 2 * 6 * 4  # two columns of the 6-feature kernel a round: the gather takes several
+sharded_files.CHUNK_BYTES = 2 * 6 * 4  # two columns of the 6-feature kernel a round: the gather takes several
 
 CLASSES, FEATURES, INPUTS, BATCH, LR = 11, 6, 5, 4, 0.5
 start_weights = np.random.default_rng(0)
@@ -157,16 +157,16 @@ def check(groups, smoothing):
     # The trained head written whole by the first group, then read back by any layout's ranges.
     folder = os.path.join(out_dir, f"head-G{groups.parallel}-s{smoothing:g}")
     os.makedirs(folder, exist_ok=True)
-    head_files.gather_into(folder, "kernel", kernel.numpy(), groups, CLASSES)
-    head_files.gather_into(folder, "bias", bias.numpy(), groups, CLASSES)
+    sharded_files.gather_into(folder, "kernel", kernel.numpy(), groups, CLASSES)
+    sharded_files.gather_into(folder, "bias", bias.numpy(), groups, CLASSES)
     hvd.allreduce(tf.constant(0.0), name=f"written.{groups.parallel}.{smoothing:g}")  # the files are complete
-    mine = head_files.read_columns(folder, "kernel", first, count, CLASSES)
+    mine = sharded_files.read_columns(folder, "kernel", first, count, CLASSES)
     result["read_back"] = relative(mine, kernel) + relative(
-        head_files.read_columns(folder, "bias", first, count, CLASSES), bias
+        sharded_files.read_columns(folder, "bias", first, count, CLASSES), bias
     )
     resplit = [shard_range(CLASSES, 3, j) for j in range(3)]  # another layout's shards
     result["resplit"] = max(
-        relative(head_files.read_columns(folder, "kernel", f, c, CLASSES), W[:, f : f + c]) for f, c in resplit
+        relative(sharded_files.read_columns(folder, "kernel", f, c, CLASSES), W[:, f : f + c]) for f, c in resplit
     )
     return result
 

@@ -86,8 +86,6 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
     once). ``shard``: this rank's columns, the classes on the last axis.
     ``folder``: where rank 0 writes (the others pass anything).
     """
-    import horovod.tensorflow as hvd
-
     if groups.layout.group_of(groups.rank) != 0:
         return
     parallel = groups.parallel
@@ -103,7 +101,7 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
         )
     for k in range(rounds):
         part = columns[k * chunk : (k + 1) * chunk]
-        every = hvd.allgather(part, process_set=groups.group, name=f"head_gather.{name}.{k}").numpy()
+        every = groups.gather(part, f"head_gather.{name}.{k}").numpy()
         if out is None:
             continue
         at = 0
@@ -117,7 +115,9 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
         del out
 
 
-def broadcast_columns(folder: str | None, name: str, shard: np.ndarray, first: int, classes: int) -> np.ndarray:
+def broadcast_columns(
+    folder: str | None, name: str, shard: np.ndarray, first: int, classes: int, groups: HeadGroups
+) -> np.ndarray:
     """This rank's columns of head array ``name``, read by rank 0 (``folder``; None elsewhere) and sent to all.
 
     Every rank of the job calls this. The whole array goes by in chunks of
@@ -128,8 +128,6 @@ def broadcast_columns(folder: str | None, name: str, shard: np.ndarray, first: i
     Args:
         shard: an array of this rank's shape and type (the classes on the last axis).
     """
-    import horovod.tensorflow as hvd
-
     rows_shape, count, chunk = shard.shape[:-1], shard.shape[-1], columns_per_chunk(shard)
     whole = np.load(path_of(folder, name), mmap_mode="r") if folder is not None else None  # checked (``check``)
     out = np.empty_like(shard)
@@ -140,7 +138,7 @@ def broadcast_columns(folder: str | None, name: str, shard: np.ndarray, first: i
             if whole is not None
             else np.zeros((*rows_shape, end - start), shard.dtype)
         )
-        part = hvd.broadcast(part, root_rank=0, name=f"head_restore.{name}.{k}").numpy()
+        part = groups.broadcast(part, f"head_restore.{name}.{k}").numpy()
         low, high = max(start, first), min(end, first + count)
         if low < high:
             out[..., low - first : high - first] = part[..., low - start : high - start]

@@ -47,8 +47,8 @@ from hvd_train import files
 from hvd_train.data import storage
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.training import prefix, run_record, staging_folders
-from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY, checkpoints  # noqa: F401  (PART_BYTES: tests)
+from hvd_train.training import checkpoints, prefix, run_record, staging_folders
+from hvd_train.training.prefix import CHECKPOINTS, PART_BYTES, SUMMARY  # noqa: F401  (PART_BYTES: tests)
 from hvd_train.training.staging_folders import staging_folder
 
 log = get_logger("output")
