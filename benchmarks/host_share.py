@@ -96,8 +96,8 @@ dump(out)
 """
 
 TRAIN = """
-from hvd_train.model import network
-network.Classifier.train_step = timed(network.Classifier.train_step)
+from hvd_train.model import classifier
+classifier.Classifier.train_step = timed(classifier.Classifier.train_step)
 from hvd_train.cli import main
 code = main(sys.argv[2:])
 dump(sys.argv[1])

@@ -3,7 +3,7 @@ import pytest
 
 from hvd_train.compat import keras
 from hvd_train.model.catalogue import HEAD_LAYER
-from hvd_train.model.network import Classifier
+from hvd_train.model.classifier import Classifier
 
 
 def one_step_deltas(mult):

@@ -19,7 +19,8 @@ import json
 import numpy as np
 from hvd_train import config
 from hvd_train.distributed import start
-from hvd_train.model.network import Net, keras_optimizer
+from hvd_train.model import optimizers
+from hvd_train.model.network import Net
 from hvd_train.compat import keras, tf
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.schedules import WarmupSchedule
@@ -70,7 +71,7 @@ for name, optim, precision in (("sgd", {}, "fp32"), ("adam", {"optimizer": "adam
                              float(np.max(np.abs(v.numpy() - b)))] for v, b in zip(variables, before)]
 
 # --optimizer adamw alone: Keras's AdamW with the default decay.
-adamw = keras_optimizer(cfg(optimizer="adamw"))
+adamw = optimizers.make(cfg(optimizer="adamw").optim)
 out["adamw_alone"] = [type(adamw).__name__, float(adamw.weight_decay)]
 
 rng = np.random.default_rng(0)

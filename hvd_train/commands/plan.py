@@ -11,6 +11,7 @@ DEFAULT_WORKERS = "1,2,4,8,16,32,64,128"
 
 def add_parser(subparsers) -> None:
     from hvd_train.config import MODEL_HELP
+    from hvd_train.config.choices import OPTIMIZERS
 
     parser = subparsers.add_parser(
         "plan",
@@ -63,7 +64,12 @@ def add_parser(subparsers) -> None:
         help="also compare the head data-parallel against split by class over groups of G workers (0: no)",
     )
     parser.add_argument("--head-features", type=int, default=0, help="the head's inputs (0: the model's)")
-    parser.add_argument("--head-slots", type=int, default=1, help="optimizer values per weight (SGD 1, Adam 2)")
+    parser.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZERS,
+        help="the run's optimizer: the head's memory counts the values it keeps per weight",
+    )
     parser.add_argument("--json", default="", help="write the plan (or the measured link) to this file")
     parser.set_defaults(run=run)
 
@@ -127,13 +133,14 @@ def run(args: argparse.Namespace) -> int:
 def _head_layouts(args, setup, workers: list[int]) -> list[dict]:
     """Prints and gives the head's cost in both layouts for each worker count that groups of G divide."""
     from hvd_train.errors import UserError
+    from hvd_train.model import optimizers
     from hvd_train.perf import head_plan
 
     g = args.head_parallel
     if g < 2:
         raise UserError(f"--head-parallel {g}: give the workers of one group, 2 or more (0: no comparison).")
     features = args.head_features or _head_features(args.model, args.classes)
-    head = head_plan.Head(args.classes, features, setup.batch, args.head_slots)
+    head = head_plan.Head(args.classes, features, setup.batch, optimizers.OPTIMIZERS[args.optimizer].slots)
     fusion, cycle = setup.fusion_bytes, setup.cycle_seconds
     print(
         f"\nthe head, {args.classes:,} classes x {features:,} features: data-parallel against split over groups of "

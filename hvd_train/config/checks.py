@@ -86,6 +86,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             alpha,
             "use an alpha in [0, 10], e.g. 0.2 or 1.0 (0: off)",
         )
+    for flag, limit in (("--clip-value", o.clip_value), ("--clip-norm", o.clip_norm)):
+        _require(limit >= 0 and math.isfinite(limit), flag, limit, "use a number > 0, e.g. 1.0 (0: off)")
     _require(0.0 <= o.label_smoothing < 1.0, "--label-smoothing", o.label_smoothing, "use [0, 1), e.g. 0.1")
     _require(
         o.head_lr_mult == 1.0 or o.optimizer == "sgd",

@@ -212,6 +212,11 @@ class OptimConfig:
             every step; the decay warms up as ``min(ema, (1 + n) / (10 +
             n))`` after n updates. Held-out scores and the saved model use
             the averages, checkpoints keep both. 0: off.
+        clip_value: each gradient value clipped into ``[-v, v]``; 0: off.
+        clip_norm: the gradients scaled down to this global L2 norm when
+            theirs is larger; 0: off. Both act on the averaged gradients of
+            an update (every rank clips alike), unscaled under a loss scale,
+            the sharded head's included; ``--clip-value`` first.
     """
 
     optimizer: str = _opt("sgd", "--optimizer", "optimizer", choices=OPTIMIZERS)
@@ -240,6 +245,10 @@ class OptimConfig:
     )
     ema: float = _opt(
         0.0, "--ema", "decay of a moving average of the weights, used to evaluate and save (0: off; e.g. 0.999)"
+    )
+    clip_value: float = _opt(0.0, "--clip-value", "clip each averaged gradient value into [-V, V] (0: off)")
+    clip_norm: float = _opt(
+        0.0, "--clip-norm", "scale the averaged gradients down to this global L2 norm (0: off; e.g. 1.0)"
     )
 
 

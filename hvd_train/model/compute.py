@@ -19,7 +19,7 @@ outside training never meets float16.
 XLA: ``--xla auto`` turns on TensorFlow's auto-clustering, which compiles
 what it can and leaves the rest (Horovod's ops among it) to TensorFlow;
 ``--xla jit`` compiles the forward and backward pass of the step
-(``network.Classifier``).
+(``classifier.Classifier``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ import numpy as np
 from hvd_train.compat import keras, tf
 from hvd_train.config import TrainConfig
 from hvd_train.distributed import context, gradients
-from hvd_train.model.catalogue import HEAD_LAYER
+from hvd_train.model import optimizers
+from hvd_train.model.classifier import Classifier
 from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.model.mixing import Mixer, training_loss
 from hvd_train.model.schedules import graph_rate
@@ -54,64 +55,6 @@ from hvd_train.model.schedules import graph_rate
 # The sums a call of the steps reports (``Net.run_steps``): asked to stop, a timed checkpoint due,
 # seconds per step, and ranks whose loss is not finite.
 REPORT_FLAGS = 4
-
-
-class Classifier(keras.Model):
-    """A functional model whose train step can scale the new head's gradients.
-
-    With SGD, multiplying a variable's gradient by m is the same as
-    multiplying its learning rate by m (MATLAB's WeightLearnRateFactor).
-
-    Attributes:
-        head_lr_mult: factor of the head's gradients.
-        xla_jit: compile the forward and backward pass with XLA, and
-            allreduce the gradients outside the compiled function.
-        fp16_allreduce: compress the gradients to float16 for the allreduce
-            (the ``xla_jit`` path does its own allreduce).
-    """
-
-    head_lr_mult: float = 1.0
-    xla_jit: bool = False
-    fp16_allreduce: bool = False
-
-    def train_step(self, data, targets=None):
-        """One update; the loss is against ``targets`` when given (mixed ones), the metrics against the labels."""
-        images, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
-        targets = labels if targets is None else targets
-        variables = self.trainable_variables
-        if self.xla_jit:
-            grads, probs = self._compiled_gradients(images, targets, weights)
-            # Horovod: the allreduce runs outside XLA (no XLA kernel for it).
-            grads = gradients.allreduce_gradients(grads, fp16=self.fp16_allreduce)
-            if is_loss_scaled(self.optimizer):
-                grads = self.optimizer.get_unscaled_gradients(grads)
-            grads_and_vars = list(zip(grads, variables))
-        else:
-            with tf.GradientTape() as tape:
-                probs = self(images, training=True)
-                loss = self.compute_loss(images, targets, probs, weights)
-            # Horovod: DistributedOptimizer.compute_gradients allreduces the gradients
-            # (under a LossScaleOptimizer: scale the loss, allreduce, unscale).
-            grads_and_vars = self.optimizer.compute_gradients(loss, variables, tape=tape)
-        if self.head_lr_mult != 1.0:
-            head = {v.ref() for v in self.get_layer(HEAD_LAYER).trainable_variables}
-            grads_and_vars = [
-                (g * self.head_lr_mult if g is not None and v.ref() in head else g, v) for g, v in grads_and_vars
-            ]
-        # A LossScaleOptimizer skips the update (and halves its scale) when a gradient
-        # is not finite: every rank sees the same allreduced gradients, so all skip.
-        self.optimizer.apply_gradients(grads_and_vars)
-        return self.compute_metrics(images, labels, probs, weights)
-
-    @tf.function(jit_compile=True, autograph=False)
-    def _compiled_gradients(self, images, labels, weights=None):
-        """This rank's gradients (scaled by the loss scale under mixed_float16) and predictions."""
-        with tf.GradientTape() as tape:
-            probs = self(images, training=True)
-            loss = self.compute_loss(images, labels, probs, weights)
-            if is_loss_scaled(self.optimizer):
-                loss = self.optimizer.get_scaled_loss(loss)
-        return tape.gradient(loss, self.trainable_variables), probs
 
 
 def use_step_seeded_dropout() -> None:
@@ -148,11 +91,10 @@ class Net:
         self.model.head_lr_mult = cfg.optim.head_lr_mult
         self.model.xla_jit = cfg.compute.xla == "jit"
         self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
+        self.model.optim = cfg.optim
         self.precision = precision
-        optimizer = make_optimizer(cfg)
-        if cfg.optim.weight_decay:
-            # Kernels decay; BatchNorm's and LayerNorm's scales and offsets and the biases (rank 1) do not.
-            optimizer.exclude_from_weight_decay(var_list=[v for v in base.trainable_variables if v.shape.rank <= 1])
+        # Kernels decay; BatchNorm's and LayerNorm's scales and offsets and the biases (rank 1) do not.
+        optimizer = make_optimizer(cfg, not_decayed=[v for v in base.trainable_variables if v.shape.rank <= 1])
         self.optimizer = wrap_optimizer(optimizer, precision)
         classes = int(base.outputs[0].shape[-1])
         # --mixup / --cutmix: the step mixes each batch, and the loss takes the mixed targets.
@@ -468,30 +410,10 @@ class Net:
         self.model.reset_metrics()
 
 
-def make_optimizer(cfg: TrainConfig):
-    """``keras_optimizer``, wrapped by Horovod's ``DistributedOptimizer``."""
-    return gradients.distributed_optimizer(
-        keras_optimizer(cfg), fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
+def make_optimizer(cfg: TrainConfig, not_decayed=()):
+    """The run's optimizer (``optimizers.make``) in Horovod's ``DistributedOptimizer``: gradients averaged over
+    every rank (``--fp16-allreduce`` compressed; ``--grad-accum``: added up locally, averaged at each update)."""
+    wrapped = gradients.distributed_optimizer(
+        optimizers.make(cfg.optim), fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
     )
-
-
-def keras_optimizer(cfg: TrainConfig):
-    """SGD (with momentum), Adam or AdamW.
-
-    The learning rate is a plain variable: each compiled step sets it from
-    the schedule before its update (see ``Net.run_steps``). Weight decay is
-    Keras's decoupled one: each update first shrinks each decayed variable
-    by ``learning rate x weight_decay`` of itself.
-    """
-    o = cfg.optim
-    decay = o.weight_decay or None
-    # --ema: Keras keeps the average beside each trainable variable and updates it after each
-    # update the optimizer applies (not after an accumulated pass, nor a step the loss scale skips).
-    ema = {"use_ema": True, "ema_momentum": o.ema} if o.ema else {}
-    if o.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=o.base_lr, momentum=o.momentum, weight_decay=decay, **ema)
-    elif o.optimizer == "adamw":
-        optimizer = keras.optimizers.AdamW(learning_rate=o.base_lr, weight_decay=o.weight_decay, **ema)
-    else:
-        optimizer = keras.optimizers.Adam(learning_rate=o.base_lr, weight_decay=decay, **ema)
-    return optimizer
+    return optimizers.leave_undecayed(wrapped, cfg.optim, not_decayed)

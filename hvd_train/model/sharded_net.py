@@ -21,11 +21,11 @@ import numpy as np
 from hvd_train.compat import keras, tf
 from hvd_train.config import TrainConfig
 from hvd_train.distributed.groups import HeadGroups, shard_range
-from hvd_train.model import sharded_files
+from hvd_train.model import optimizers, sharded_files
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.head_start import start_head
-from hvd_train.model.network import Net, keras_optimizer
+from hvd_train.model.network import Net
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average
 
 
@@ -60,9 +60,8 @@ class ShardedNet(Net):
         start_head(self.kernel, self.bias, self.first, classes, seed)
         self._smoothing = cfg.optim.label_smoothing
         self._head_lr_mult = cfg.optim.head_lr_mult
-        self.head_optimizer = keras_optimizer(cfg)
-        if cfg.optim.weight_decay:
-            self.head_optimizer.exclude_from_weight_decay(var_list=[self.bias])
+        self.head_optimizer = optimizers.make(cfg.optim, not_decayed=[self.bias])
+        self._optim = cfg.optim
         self.head_optimizer.build([self.kernel, self.bias])
         if self._ema:  # --ema: the head's average moves as the backbone's, by the same decay
             self.head_optimizer.ema_momentum = self._ema_decay
@@ -105,19 +104,13 @@ class ShardedNet(Net):
         # Horovod's DistributedOptimizer, as the data-parallel step: the gradients averaged over every rank
         # (--fp16-allreduce compressed; --grad-accum: added up locally, averaged at each update); under a
         # loss scale, the sum scaled (in float32), then the gradients unscaled.
-        applies = tf.constant(True)
+        applies, grads_and_vars = tf.constant(True), []
         if variables:
             grads_and_vars = optimizer.compute_gradients(handed, variables, tape=tape)
             if is_loss_scaled(optimizer):  # a step the scale skips (every rank alike) skips the head too
                 finite = [tf.reduce_all(tf.math.is_finite(g)) for g, _ in grads_and_vars if g is not None]
                 applies = tf.reduce_all(finite)
-            optimizer.apply_gradients(grads_and_vars)
-        else:
-            # --freeze-backbone with no head norm: nothing before the head trains. The backbone's
-            # optimizer still counts the passes, as Horovod's counts them (the step of the schedule,
-            # dropout's keys, the head's Adam correction).
-            optimizer.iterations.assign_add(1)
-        head = [step.d_kernel * self._head_lr_mult, step.d_bias * self._head_lr_mult]
+        head = [step.d_kernel, step.d_bias]
         if self._sums:  # --grad-accum: the head's passes added up, applied with the backbone's update
             for total, grad in zip(self._sums, head):
                 total.assign_add(grad)
@@ -125,8 +118,38 @@ class ShardedNet(Net):
             applies = tf.equal(self._passes % self._accum, 0)
             head = [total / self._accum for total in self._sums]
 
-        def apply_head():
+        def averaged():
+            # This shard's gradients averaged over its peers, with the squares of the group's shards summed:
+            # the whole head's part of the global norm (--clip-norm), the same on every rank.
             grads = peers_average(head, self.head)
+            square = self.head.group_sum(optimizers.square_norm(grads), "head.square") if clip_norm else 0.0
+            return [*grads, tf.cast(square, tf.float32)]
+
+        clip_norm = bool(self._optim.clip_norm)
+        *head, head_square = tf.cond(applies, averaged, lambda: [*head, tf.constant(0.0)])
+        # --clip-value, --clip-norm: on the averaged, unscaled gradients of the whole model, before
+        # --head-lr-mult (a step the loss scale skips: its factor is not finite, and nothing is applied).
+        factor = tf.constant(1.0)
+        if optimizers.clips(self._optim):
+            head = optimizers.clip_values(head, self._optim)
+            if grads_and_vars:
+                grads, kept = zip(*grads_and_vars)
+                grads = optimizers.clip_values(list(grads), self._optim)
+                square = head_square + optimizers.square_norm(grads)
+            else:
+                grads, kept, square = [], [], head_square
+            factor = optimizers.norm_factor(square, self._optim)
+            grads_and_vars = [(None if g is None else g * tf.cast(factor, g.dtype), v) for g, v in zip(grads, kept)]
+        if variables:
+            optimizer.apply_gradients(grads_and_vars)
+        else:
+            # --freeze-backbone with no head norm: nothing before the head trains. The backbone's
+            # optimizer still counts the passes, as Horovod's counts them (the step of the schedule,
+            # dropout's keys, the head's Adam correction).
+            optimizer.iterations.assign_add(1)
+
+        def apply_head():
+            grads = [g * factor * self._head_lr_mult for g in head]
             # The head's optimizer counts as the backbone's (Adam's bias correction): DP's one optimizer.
             self.head_optimizer.iterations.assign(before)
             self.head_optimizer.apply_gradients(zip(grads, [self.kernel, self.bias]))

@@ -115,6 +115,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     from hvd_train.compat import keras, tf
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
+    from hvd_train.model import optimizers
     from hvd_train.model.catalogue import HEAD_LAYER, build_model
 
     cfg = job.cfg
@@ -123,10 +124,10 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     if cfg.run.deterministic:  # the same initial weights, batches and augmentation every time
         keras.utils.set_random_seed(cfg.run.seed)
     model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
-    if cfg.optim.optimizer == "sgd":
-        optimizer = keras.optimizers.SGD(learning_rate=start, momentum=cfg.optim.momentum)
-    else:
-        optimizer = keras.optimizers.Adam(learning_rate=start)
+    # The run's optimizer (its weight decay and what it leaves undecayed; no --ema, which changes no step).
+    optimizer = optimizers.make(
+        cfg.optim, start, ema=False, not_decayed=[v for v in model.trainable_variables if v.shape.rank <= 1]
+    )
     head = {v.ref() for v in model.get_layer(HEAD_LAYER).trainable_variables}
     mult = cfg.optim.head_lr_mult
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
@@ -137,7 +138,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
             # Stand-ins for images that cannot be decoded (negative ids) weigh nothing, as in training.
             loss = loss_fn(labels, model(images, training=True), tf.cast(ids >= 0, tf.float32))
         variables = model.trainable_variables
-        grads = tape.gradient(loss, variables)
+        grads = optimizers.clip(tape.gradient(loss, variables), cfg.optim)  # --clip-value, --clip-norm
         if mult != 1.0:
             grads = [g * mult if g is not None and v.ref() in head else g for g, v in zip(grads, variables)]
         optimizer.apply_gradients(zip(grads, variables))
