@@ -18,7 +18,7 @@ import sys
 import threading
 
 from hvd_train import __version__, log
-from hvd_train.distributed import hostname
+from hvd_train.distributed import hostname, launchers
 from hvd_train.errors import UserError
 
 
@@ -103,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
         from hvd_train.commands import launch
 
         return launch.main(given[1:])
-    rank, size = log.launcher_rank()
+    rank, size = launchers.launcher_rank()
     log.setup(rank, size)
     logger = log.get_logger()
     try:

@@ -85,20 +85,3 @@ class Ticker:
     def _tick(self) -> None:
         while not self._done.wait(self.every):
             self.logger.info("%s", self.line())
-
-
-def launcher_rank() -> tuple[int, int]:
-    """Rank and size from the launcher's environment, before Horovod starts.
-
-    In an elastic job this is the rank the process started with; Horovod may
-    give it another one later.
-    """
-    for rank_var, size_var in (
-        ("HOROVOD_RANK", "HOROVOD_SIZE"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMI_RANK", "PMI_SIZE"),
-        ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"),  # srun (PMIx sets no size of its own)
-    ):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    return 0, 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from hvd_train.distributed import launchers
+
 REQUIREMENTS = ("gpu", "nccl", "mpi", "gloo")
 
 
@@ -155,17 +157,21 @@ def _horovod_build() -> dict:
     }
 
 
-def _local_rank() -> int:
-    for var in ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
+def _local_rank(env=None) -> int:
+    """This process's local rank, as the first launcher of the table that tells it says; 0 under none."""
+    env = os.environ if env is None else env
+    for var in launchers.variables("local_rank"):
+        if var in env:
+            return int(env[var])
     return 0
 
 
-def _local_size() -> int:
-    for var in ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if var in os.environ:
-            return int(os.environ[var])
+def _local_size(env=None) -> int:
+    """The ranks on this host, as the first launcher of the table that tells them says; 1 under none."""
+    env = os.environ if env is None else env
+    for var in launchers.variables("local_size"):
+        if var in env:
+            return int(env[var])
     return 1
 
 

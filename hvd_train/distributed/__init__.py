@@ -8,6 +8,8 @@
   says what is kept and rolled back).
 * ``exits``: ending a rank without hanging the others.
 * ``hostname``, ``cpus``, ``memory``: what a rank finds on its host before Horovod starts.
+* ``launchers``: the launchers known, an entry each (their variables, MPI or
+  elastic, stop signal, a sweep trial's command); only the standard library.
 
 Outside this package, ``hvd_train.commands.launch`` runs Horovod's launcher (its
 runner, not the ranks' library) and ``doctor`` reads Horovod's build flags.

@@ -42,6 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hvd_train.distributed import launchers
 from hvd_train.errors import UserError
 
 # Set in the environment of a rank re-executed with the preload library; taken out again once it runs.
@@ -89,13 +90,8 @@ def shim_path() -> Path:
 
 def _sizes(env) -> list[tuple[int, int]]:
     """(ranks on this host, ranks in the job) as each launcher present tells them."""
-    pairs = (
-        ("HOROVOD_LOCAL_SIZE", "HOROVOD_SIZE"),  # horovodrun
-        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
-        ("MPI_LOCALNRANKS", "PMI_SIZE"),  # MPICH (Hydra), Intel MPI
-    )
     found = []
-    for local, world in pairs:
+    for local, world in launchers.pairs("local_size", "size"):
         try:
             found.append((int(env[local]), int(env[world])))
         except (KeyError, ValueError):
@@ -113,8 +109,11 @@ def spans_hosts(env=None) -> bool | None:
     sizes = _sizes(env)
     if sizes:  # the launcher that started this rank
         return any(local != world for local, world in sizes)
-    nodes = env.get("SLURM_STEP_NUM_NODES", "")  # srun: the nodes of this step (not of the allocation)
-    return int(nodes) > 1 if nodes.isdigit() else None
+    for var in launchers.variables("nodes"):  # srun: the nodes of this step (not of the allocation)
+        nodes = env.get(var, "")
+        if nodes.isdigit():
+            return int(nodes) > 1
+    return None
 
 
 def _gloo_job(env=None) -> tuple[bool, bool]:
@@ -128,7 +127,7 @@ def _gloo_job(env=None) -> tuple[bool, bool]:
         # Every rank reaches the rendezvous over loopback: all run on this
         # machine, even where horovodrun counts "localhost" and "127.0.0.1" as two hosts.
         return True, False
-    if env.get("HOROVOD_ELASTIC") == "1":
+    if launchers.elastic_job(env):
         return True, True  # hosts may join later
     spans = spans_hosts(env)
     return True, spans is not False

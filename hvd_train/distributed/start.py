@@ -6,7 +6,7 @@ import logging
 import os
 
 from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
-from hvd_train.distributed import cpus
+from hvd_train.distributed import cpus, launchers
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 
@@ -14,7 +14,9 @@ from hvd_train.errors import UserError
 ELASTIC_GLOO_TIMEOUT = 5
 
 # Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
-_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+_MPI_VARS = launchers.variables("started_by", lambda entry: entry.mpi)
+# Set by every launcher in every process it starts (horovodrun's elastic mode too).
+_LAUNCHED_VARS = launchers.variables("started_by")
 
 # Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (1 by default) even with nothing to
 # send: 2 % of a core. A process started alone sends nothing (every collective here passes through at
@@ -22,20 +24,21 @@ _MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 ONE_PROCESS_CYCLE_MS = "100"
 
 
-def launched_by_mpi() -> bool:
+def launched_by_mpi(env=None) -> bool:
     """Started by mpirun (or horovodrun --mpi), not by horovodrun's Gloo launcher."""
-    return any(v in os.environ for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ
+    env = os.environ if env is None else env
+    return any(v in env for v in _MPI_VARS) and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in env
 
 
-def one_process_job() -> bool:
+def one_process_job(env=None) -> bool:
     """Known before Horovod starts to be a job of one process: started by no launcher.
 
     A launcher's job of one process (``-np 1``) keeps Horovod's cycle: its
     rank's end is what the launcher waits for, and a sweep's killed trial
     once left its launcher behind with that rank's end a cycle later.
     """
-    launched = ("HOROVOD_SIZE", "HOROVOD_ELASTIC", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
-    return not any(v in os.environ for v in launched)
+    env = os.environ if env is None else env
+    return not any(v in env for v in _LAUNCHED_VARS)
 
 
 def check_launch(elastic: bool) -> None:
@@ -51,7 +54,7 @@ def check_launch(elastic: bool) -> None:
             "--elastic: plain mpirun (and horovodrun --mpi) has no elastic mode; launch with "
             "horovodrun --min-np N --max-np M --host-discovery-script SCRIPT (Gloo), or drop --elastic."
         )
-    if os.environ.get("HOROVOD_ELASTIC") != "1":
+    if not launchers.elastic_job():
         raise UserError(
             "--elastic needs an elastic launcher: horovodrun --min-np N --max-np M --host-discovery-script SCRIPT "
             "(see launch/horovodrun.sh --elastic); drop --elastic for a fixed set of workers."
@@ -83,7 +86,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False, process_sets: b
 
     if deterministic:
         tf.config.experimental.enable_op_determinism()
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
+    if launchers.elastic_job():
         # Horovod: a rank whose peer in a collective stopped taking part (it
         # noticed a lost worker first) waits this long before it notices too;
         # Gloo's default is 30 s. Every collective cycles in milliseconds, so

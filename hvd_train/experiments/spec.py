@@ -33,11 +33,13 @@ from typing import Any
 
 from hvd_train.config import sources
 from hvd_train.config.choices import RunConfig, TrainConfig
+from hvd_train.distributed import launchers
 from hvd_train.errors import UserError
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "halving", "none")
-LAUNCHERS = ("horovodrun", "mpirun")
+# The launchers a trial may run under: those of the table that say how a trial is started.
+LAUNCHERS = launchers.SWEEP_LAUNCHERS
 SPACES = ("choices", "uniform", "log_uniform", "int")
 # The numbers of summary.json a sweep may optimize (training/finish.py writes them at a trial's end).
 OBJECTIVES = ("val_accuracy", "val_loss", "val_top5", "images_per_sec", "images_per_sec_first_epoch")

@@ -32,6 +32,7 @@ import yaml
 
 from hvd_train import files
 from hvd_train.config import sources
+from hvd_train.distributed import launchers
 from hvd_train.errors import Diverged, UserError
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
@@ -170,18 +171,13 @@ class TrialJob:
 
     def command(self) -> list[str]:
         train = [sys.executable, "-m", "hvd_train", "train", "--config", os.path.join(self.folder, CONFIG)]
-        np_ = str(self.sweep.workers)
         # The slot's cores: the launcher's and its ranks' (a rank counts the cores it may use).
         cores = ["taskset", "-c", ",".join(map(str, self.slot.cores))]
-        if self.sweep.launcher == "mpirun":
-            return [*cores, "mpirun", "-np", np_, "--bind-to", "none", "-x", "PATH", "-x", "PYTHONUNBUFFERED", *train]
-        # Gloo: horovodrun's ranks are its own children, and a SIGTERM to it reaches them. (With
-        # MPI it would replace itself with a shell running mpirun, which the signal may outlive.)
-        return [*cores, sys.executable, "-m", "hvd_train", "launch", "-np", np_, "--gloo", *train]
+        return [*cores, *launchers.trial_command(self.sweep.launcher, self.sweep.workers, sys.executable), *train]
 
     def stop_signal(self) -> int:
-        """What stops the job as a scheduler would: mpirun passes SIGUSR1 on at once, SIGTERM after 1 s."""
-        return int(signal.SIGUSR1 if self.sweep.launcher == "mpirun" else signal.SIGTERM)
+        """What stops the job as a scheduler would: the launcher's stop signal (launchers.TABLE)."""
+        return int(launchers.named(self.sweep.launcher).stop_signal)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from hvd_train.log import launcher_rank
+from hvd_train.distributed.launchers import launcher_rank
 from hvd_train.training.state import TrainState
 
 
