@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import (
     HVD_TRAIN,
@@ -115,13 +116,16 @@ def test_base_lr_auto_is_found_once_and_shared(gloo_run):
     "launcher, extra, global_batch",
     [
         ("horovodrun-mpi", ["--fp16-allreduce"], 16),
-        ("mpirun", ["--grad-accum", "2", "--head-lr-mult", "10"], 32),
+        ("mpirun", ["--grad-accum", "2", "--head-lr-mult", "10", "--clip-norm", "0.5", "--clip-value", "0.1"], 32),
     ],
 )
 def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
     proc = train_and_dump(launcher, demo_small, tmp_path / "run", tmp_path / "dump", "--epochs", "2", *extra)
     assert proc.returncode == 0, output_of(proc)
     check_identical_and_exact(tmp_path / "run", tmp_path / "dump", proc, global_batch)
+    # Clipping, like every option, is recorded with the run (each rank clipped the same averaged gradients).
+    optim = yaml.safe_load((tmp_path / "run" / "run_config.yaml").read_text())["optim"]
+    assert (optim["clip_norm"], optim["clip_value"]) == ((0.5, 0.1) if "--clip-norm" in extra else (0.0, 0.0))
 
 
 def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):

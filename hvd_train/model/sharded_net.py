@@ -119,9 +119,9 @@ class ShardedNet(Net):
             head = [total / self._accum for total in self._sums]
 
         def averaged():
-            # This shard's gradients averaged over its peers, with the squares of the group's shards summed:
-            # the whole head's part of the global norm (--clip-norm), the same on every rank.
-            grads = peers_average(head, self.head)
+            # This shard's gradients averaged over its peers (--clip-value: clipped), with the squares of the
+            # group's shards summed: the whole head's part of the global norm (--clip-norm), alike on every rank.
+            grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
             square = self.head.group_sum(optimizers.square_norm(grads), "head.square") if clip_norm else 0.0
             return [*grads, tf.cast(square, tf.float32)]
 
@@ -131,7 +131,6 @@ class ShardedNet(Net):
         # --head-lr-mult (a step the loss scale skips: its factor is not finite, and nothing is applied).
         factor = tf.constant(1.0)
         if optimizers.clips(self._optim):
-            head = optimizers.clip_values(head, self._optim)
             if grads_and_vars:
                 grads, kept = zip(*grads_and_vars)
                 grads = optimizers.clip_values(list(grads), self._optim)
