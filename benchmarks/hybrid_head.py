@@ -1,4 +1,4 @@
-"""The classification head data-parallel against split by class (hybrid parallelism), at many classes.
+"""The classification head data-parallel against sharded by class (hybrid parallelism), at many classes.
 
 For each class count, two jobs of ``--np`` ranks (one core each, ``mpirun
 --bind-to core``) train a small backbone (``tanh(x A)``, F x F) and a

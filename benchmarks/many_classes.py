@@ -1,4 +1,4 @@
-"""Training end to end at many classes, the head data-parallel and split by class (``--head-parallel``).
+"""Training end to end at many classes, the head data-parallel and sharded by class (``--head-parallel``).
 
 Writes ``--classes`` classes of two 32 px PNGs each (each class a coarse
 pattern of its own, with noise), then trains them in both layouts:

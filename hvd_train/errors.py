@@ -38,7 +38,7 @@ def first_line(error: BaseException | str, named: bool = False, limit: int = 300
     """The first line of an error (or of an error's message), for a one-line message.
 
     TensorFlow's decorations (``{{function_node ...}}`` before the reason,
-    `` [Op:Name]`` after it) and the ``user:password@`` of any URL it quotes
+    `` [Op:Name]`` or `` [[{{node Name}}]]`` after it) and the ``user:password@`` of any URL it quotes
     (botocore quotes the request's) are taken out. An error without a
     message gives its type's name; ``named`` puts the type's name first
     anyway; a text longer than ``limit`` is cut there.
@@ -46,7 +46,7 @@ def first_line(error: BaseException | str, named: bool = False, limit: int = 300
     text = str(error).strip()
     line = text.splitlines()[0] if text else ""
     line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line)
-    line = re.sub(r"\s*\[Op:\w+\].*$", "", line)
+    line = re.sub(r"\s*\[Op:\w+\].*$", "", line).split(" [[", 1)[0]  # "... [[{{node X}}]]": the op's name
     line = re.sub(r"(\w+://)[^/@\s\"']+@", r"\1", line)[:limit]
     if isinstance(error, str):
         return line

@@ -1,4 +1,4 @@
-"""The classification head split by class over groups of ranks (``--head-parallel``): exactness, bad input."""
+"""The classification head sharded by class over groups of ranks (``--head-parallel``): exactness, bad input."""
 
 import shutil
 import sys
@@ -109,7 +109,7 @@ def evaluated(out, data, tmp_path, name):
 
 
 @pytest.mark.multiprocess
-def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_one_ordinary_model(
+def test_a_sharded_head_trains_scores_exactly_resumes_in_another_layout_and_saves_one_ordinary_model(
     demo_small, tmp_path
 ):
     """Two ranks, one group (G = 2: classes 0-1 and 2-4); the checkpoint scored again by four ranks in one group,
@@ -117,7 +117,7 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
     trains on; its checkpoint is split again by two ranks.
 
     The held-out images are the training images: ``evaluate`` of the saved model, an ordinary Keras model
-    in one process, then scores exactly what the split head scored in training."""
+    in one process, then scores exactly what the sharded head scored in training."""
     import numpy as np
 
     from hvd_train.compat import keras
@@ -141,7 +141,7 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
     assert report["images"] == 115 and report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
     assert report["top5"] == pytest.approx(summary["val_top5"], abs=1e-9)
 
-    # Four ranks in one group: the head split four ways from the checkpoint, scored again, the same.
+    # Four ranks in one group: the head sharded four ways from the checkpoint, scored again, the same.
     proc = launch("horovodrun-gloo", 4, [*train, "--head-parallel", "-1"])
     assert proc.returncode == 0 and "all 1 epochs are done already" in proc.stderr, output_of(proc)
     again = read_json(out / "summary.json")
@@ -158,14 +158,14 @@ def test_a_split_head_trains_scores_exactly_resumes_in_another_layout_and_saves_
     assert report["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
     assert report["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
 
-    # One process, the head whole again: the split checkpoint, scored by an ordinary model, the same.
+    # One process, the head whole again: the sharded checkpoint, scored by an ordinary model, the same.
     proc = cli([*train[3:], "--epochs", "2"])
     assert proc.returncode == 0 and "all 2 epochs are done already" in proc.stderr, output_of(proc)
     whole = read_json(out / "summary.json")
     assert whole["world_size"] == 1 and whole["val_accuracy"] == summary["val_accuracy"]
     assert whole["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
 
-    # The other way: one process trains an epoch on (an unsplit checkpoint), two ranks split its head again.
+    # The other way: one process trains an epoch on (an unsharded checkpoint), two ranks split its head again.
     proc = cli([*train[3:], "--epochs", "3"])
     assert proc.returncode == 0, output_of(proc)
     assert not list((out / "checkpoints" / "epoch-0003").glob("head.*.npy"))
@@ -196,7 +196,7 @@ def test_the_starting_head_is_the_same_whatever_the_split():
 
 
 @pytest.mark.multiprocess
-def test_a_split_head_under_mixed_float16_saved_as_files_is_scored_whole_and_split_and_then_saved_whole(tmp_path):
+def test_a_sharded_head_under_mixed_float16_saved_as_files_is_scored_whole_and_split_and_then_saved_whole(tmp_path):
     """The features' gradients are those of the scaled loss; a step the scale skips skips the head too. The model
     saved as files (``--head-save files``: the features' model in float32 and the head's arrays) is scored as
     training scored it by one process holding the head whole and by two ranks holding half each; ``predict``
@@ -245,9 +245,9 @@ def test_a_split_head_under_mixed_float16_saved_as_files_is_scored_whole_and_spl
     assert {layer.dtype_policy.name for layer in saved.layers} == {"float32"}
 
 
-def test_a_split_head_is_saved_whole_when_rank_0_has_the_room_and_as_files_when_not():
+def test_a_sharded_head_is_saved_whole_when_rank_0_has_the_room_and_as_files_when_not():
     from hvd_train.distributed.memory import Room
-    from hvd_train.training.split_head import choose_save
+    from hvd_train.training.sharded_stages import choose_save
 
     gib = 2**30
     assert choose_save("auto", 3 * gib, Room(4 * gib, "host"))[0] == "whole"
@@ -269,7 +269,7 @@ FROZEN = ["--optimizer", "adam", "--freeze-backbone", "--head-norm", "none", "--
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("options", [RECIPE, FROZEN], ids=["recipe", "frozen"])
-def test_a_split_head_trains_the_weights_a_data_parallel_run_trains(demo_small, tmp_path, options):
+def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small, tmp_path, options):
     """The same job twice on two ranks, with the head whole on each and split over both: both start from the
     same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With label smoothing,
     --grad-accum 2 (the head's passes added up, applied with the backbone's), --ema (the head's average moved with
@@ -298,9 +298,9 @@ def test_a_split_head_trains_the_weights_a_data_parallel_run_trains(demo_small, 
 
 
 @pytest.mark.multiprocess
-def test_a_split_run_resumed_from_a_mid_epoch_checkpoint_ends_with_the_same_model(demo_small, tmp_path):
-    """Checkpoints every 3 steps (of 8 an epoch) gather the split head mid-epoch; with the epoch's last one gone, a
-    rerun resumes from step 6 (the head split again from its files, its optimizer's values too) and saves the
+def test_a_sharded_run_resumed_from_a_mid_epoch_checkpoint_ends_with_the_same_model(demo_small, tmp_path):
+    """Checkpoints every 3 steps (of 8 an epoch) gather the sharded head mid-epoch; with the epoch's last one gone, a
+    rerun resumes from step 6 (the head sharded again from its files, its optimizer's values too) and saves the
     model of the uninterrupted run, bit for bit."""
     import numpy as np
 

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.streams import input_errors
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
-    from hvd_train.model.sharded_net import SplitScorer
+    from hvd_train.model.sharded_net import ShardedScorer
     from hvd_train.results.evaluation import evaluate, evaluate_sharded
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
     args.model_dir, mirror = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3), name="open_run")
     # A head saved as files is split over the ranks (each holds its columns), whole in one process.
-    trained = ctx.agree(lambda: load_trained(args.model_dir, split=ctx.size > 1), name="load_model")
+    trained = ctx.agree(lambda: load_trained(args.model_dir, sharded=ctx.size > 1), name="load_model")
     if trained.head is not None and len(trained.classes) < ctx.size:
         raise UserError(
             f"{args.model_dir} has {len(trained.classes)} classes, fewer than the {ctx.size} processes that would "
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         if trained.head is None:
             result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
         else:
-            scorer = SplitScorer(trained.model, trained.head, len(trained.classes), ctx.rank, ctx.size)
+            scorer = ShardedScorer(trained.model, trained.head, len(trained.classes), ctx.rank, ctx.size)
             result = evaluate_sharded(scorer, held_out.dataset, len(trained.classes), ctx, name="evaluate")
     if result.skipped and args.on_bad_image == "fail":
         first = images.paths[result.skipped[0]]

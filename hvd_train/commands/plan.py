@@ -61,7 +61,7 @@ def add_parser(subparsers) -> None:
         "--head-parallel",
         type=int,
         default=0,
-        help="also compare the head data-parallel against split by class over groups of G workers (0: no)",
+        help="also compare the head data-parallel against sharded by class over groups of G workers (0: no)",
     )
     parser.add_argument("--head-features", type=int, default=0, help="the head's inputs (0: the model's)")
     parser.add_argument(

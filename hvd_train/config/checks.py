@@ -127,14 +127,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         h.head_parallel or h.head_save == "auto",
         "--head-save",
         h.head_save,
-        "it chooses how a split head is saved; add --head-parallel G, or drop --head-save",
+        "it chooses how a sharded head is saved; add --head-parallel G, or drop --head-save",
     )
     if h.head_parallel:
         for flag, value, used, why in (
             ("--elastic", True, h.elastic, "its Horovod process sets do not survive an elastic reset (horovod#4021)"),
-            ("--xla", c.xla, c.xla == "jit", "the split head's step exchanges features inside the step"),
-            ("--mixup", d.mixup, d.mixup, "the split head takes one label a row, not mixed targets"),
-            ("--cutmix", d.cutmix, d.cutmix, "the split head takes one label a row, not mixed targets"),
+            ("--xla", c.xla, c.xla == "jit", "the sharded head's step exchanges features inside the step"),
+            ("--mixup", d.mixup, d.mixup, "the sharded head takes one label a row, not mixed targets"),
+            ("--cutmix", d.cutmix, d.cutmix, "the sharded head takes one label a row, not mixed targets"),
         ):
             _require(not used, flag, value, f"with --head-parallel {why}; drop one of them")
     try:

@@ -311,7 +311,7 @@ class HorovodConfig:
         head_parallel: split the classification head by class over groups
             of this many workers, data-parallel across groups (0: no; -1:
             one group of every worker). See ``model/sharded_head.py``.
-        head_save: a split head's saved model: ``whole`` (``model.keras``),
+        head_save: a sharded head's saved model: ``whole`` (``model.keras``),
             ``files`` (the network up to the head, and the head's arrays),
             ``auto`` (whole when rank 0 has the memory to hold it).
     """
@@ -336,10 +336,10 @@ class HorovodConfig:
     )
     hierarchical_allreduce: bool = _opt(False, "--hierarchical-allreduce", "allreduce within hosts, then across")
     head_parallel: int = _opt(
-        0, "--head-parallel", "split the head by class over groups of G workers (0: no; -1: all workers in one group)"
+        0, "--head-parallel", "shard the head by class over groups of G workers (0: no; -1: all workers in one group)"
     )
     head_save: str = _opt(
-        "auto", "--head-save", "how a split head is saved: whole, files, auto (whole if it fits)", choices=HEAD_SAVES
+        "auto", "--head-save", "how a sharded head is saved: whole, files, auto (whole if it fits)", choices=HEAD_SAVES
     )
 
     def environment(self, output: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ import yaml
 from hvd_train.config import own_model
 from hvd_train.config.checks import validate
 from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, OptimConfig, TrainConfig, default_weight_decay
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -199,7 +199,7 @@ def read_yaml(path: str, kind: str = "config file", check: str = "check --config
     except OSError as e:
         raise UserError(f"cannot read {kind} {path}: {e.strerror}; {check}.") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{kind} {path} is not valid YAML ({str(e).splitlines()[0]}); fix it.") from None
+        raise UserError(f"{kind} {path} is not valid YAML ({first_line(e)}); fix it.") from None
     if not isinstance(loaded, dict):
         holds = holds or f"a mapping of sections ({', '.join(SECTIONS)})"
         raise UserError(f"{kind} {path} must hold {holds}.")

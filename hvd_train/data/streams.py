@@ -13,7 +13,7 @@ from hvd_train.data import packed, storage
 from hvd_train.data.blocks import Block
 from hvd_train.data.fetcher import Fetcher
 from hvd_train.data.packed import ShardSet
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 
 
 class StreamReader:
@@ -99,7 +99,7 @@ class input_errors:
         ):
             return False
         # Images were checked at the start; failing now means one changed since.
-        reason = e.message.strip().splitlines()[0].split(" [[", 1)[0]
+        reason = first_line(e.message)
         again = "rerun (the run resumes)" if self.during == "training" else "run it again"
         raise UserError(
             f"rank {self.rank} could not read its input during {self.during} ({reason}); "

@@ -1,7 +1,7 @@
 """Groups of ranks for the sharded head (``--head-parallel G``), as Horovod process sets.
 
 A job of N ranks is cut into N / G groups of G consecutive ranks. Each
-group holds one whole classification head, split by class: rank ``k G + j``
+group holds one whole classification head, sharded by class: rank ``k G + j``
 holds shard ``j``. Within a group the ranks exchange features and partial
 sums (``sharded_head``); across groups, the ranks that hold the same shard
 (its *peers*: ``j, G + j, 2 G + j, ...``) average that shard's gradients,
@@ -56,7 +56,7 @@ def shard_range(classes: int, parallel: int, shard: int) -> tuple[int, int]:
 
 
 def check(parallel: int, size: int, classes: int | None = None) -> None:
-    """Refuses a ``--head-parallel`` that cannot split the head over this job.
+    """Refuses a ``--head-parallel`` that cannot shard the head over this job.
 
     Raises:
         UserError: one line naming the value and the fix.
@@ -151,7 +151,7 @@ def register(layout: Layout, rank: int) -> HeadGroups:
     import horovod.tensorflow as hvd
 
     if layout.parallel == 1:
-        raise ValueError("a head split over one rank is not split: use the ordinary head")
+        raise ValueError("a head sharded over one rank is not sharded: use the ordinary head")
     groups = [
         hvd.global_process_set if layout.groups == 1 else hvd.add_process_set(layout.group_ranks(g))
         for g in range(layout.groups)

@@ -18,7 +18,7 @@ import numpy as np
 
 from hvd_train.compat import keras, tf
 from hvd_train.config import ModelConfig, own_model
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.model import own
 
 # Input sizes the ImageNet weights were trained at, where they differ from 224.
@@ -275,7 +275,7 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
 
 
 def _weights_error(e: Exception, spec: ModelSpec, weights: str, image_size: int) -> UserError:
-    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    reason = first_line(e)
     if weights == "imagenet" and ("fetch" in reason.lower() or "url" in reason.lower()):
         cache = os.path.join(os.environ.get("KERAS_HOME", os.path.expanduser("~/.keras")), "models")
         return UserError(

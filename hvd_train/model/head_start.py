@@ -4,8 +4,8 @@ The kernel is Glorot-uniform over the whole head (Keras's Dense default)
 and the bias zero, as a Dense layer starts. The kernel is drawn in blocks
 of ``HEAD_BLOCK`` classes, each from its own key ``(seed, block)``, so a
 rank that holds a shard of the head (``--head-parallel``) draws exactly
-its columns of the head an unsplit run starts from: runs of every layout
-start alike, and a split run can be checked against a data-parallel one.
+its columns of the head an unsharded run starts from: runs of every layout
+start alike, and a sharded run can be checked against a data-parallel one.
 """
 
 from __future__ import annotations

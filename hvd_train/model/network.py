@@ -295,7 +295,7 @@ class Net:
             average.assign(self._ema_decay * average + (1.0 - self._ema_decay) * statistic)
 
     def _update(self, images, labels, weights, targets) -> None:
-        """The forward and backward pass and the update (``ShardedNet``: with its head split)."""
+        """The forward and backward pass and the update (``ShardedNet``: with its head sharded)."""
         self.model.train_step((images, labels, weights), targets)
 
     def _rates(self) -> list[tf.Variable]:

@@ -1,6 +1,6 @@
-"""The split head on disk: each of its arrays whole, in one ``.npy`` file, whatever the layout.
+"""The sharded head on disk: each of its arrays whole, in one ``.npy`` file, whatever the layout.
 
-A head split by class (``--head-parallel``) is written so that any job can
+A head sharded by class (``--head-parallel``) is written so that any job can
 read it back: one file per array (kernel, bias, each optimizer slot), the
 columns in class order, as if one rank had held the whole head. Rank 0
 writes the file memory-mapped and the ranks of its group send it their
@@ -64,7 +64,7 @@ def load_whole(layer, folder: str) -> None:
 
 
 def has_head(folder: str) -> bool:
-    """Whether checkpoint ``folder`` was written by a split run (its head in files)."""
+    """Whether checkpoint ``folder`` was written by a sharded run (its head in files)."""
     return os.path.exists(path_of(folder, "kernel"))
 
 

@@ -1,4 +1,4 @@
-"""The classification head split by class over a group of ranks (``--head-parallel G``).
+"""The classification head sharded by class over a group of ranks (``--head-parallel G``).
 
 Hybrid parallelism, as in Krizhevsky's "one weird trick" and Yadan et al.:
 the backbone (much compute, few parameters) stays data-parallel, and the
@@ -67,7 +67,7 @@ def head_step(
     groups: HeadGroups,
     smoothing: float = 0.0,
 ) -> HeadStep:
-    """Loss and gradients of the softmax head split over ``groups.group``, for this rank's batch.
+    """Loss and gradients of the softmax head sharded over ``groups.group``, for this rank's batch.
 
     Args:
         features: this rank's features [B, F] (any float type; the head computes in float32).

@@ -1,4 +1,4 @@
-"""``Net`` with its classification head split by class over a group of ranks (``--head-parallel``).
+"""``Net`` with its classification head sharded by class over a group of ranks (``--head-parallel``).
 
 ``net.model`` is the network up to the head's input (the features), so
 what Keras checkpoints and Horovod broadcasts, the backbone and its
@@ -8,7 +8,7 @@ of their own (plain Keras: their gradients come averaged from
 ``head_step``), started from its columns of the head every layout starts
 from (``head_start``). Checkpoints hold it whole
 (``model/sharded_files``), so a run resumes on any world size and any G;
-an unsplit run reads it whole, and a split run takes an unsplit run's
+an unsharded run reads it whole, and a sharded run takes an unsharded run's
 head from its checkpoint (``whole_head_files``).
 """
 
@@ -204,8 +204,8 @@ class ShardedNet(Net):
         return head_scores(features, labels, self.kernel, self.bias, first=self.first, groups=self.head, k=k)
 
 
-class SplitScorer:
-    """A saved model whose head was saved as files (``--head-save files``), its head split over every rank of
+class ShardedScorer:
+    """A saved model whose head was saved as files (``--head-save files``), its head sharded over every rank of
     ``evaluate``: each rank reads its columns and the ranks score each batch together (``score_batch``)."""
 
     def __init__(self, features: keras.Model, folder: str, classes: int, rank: int, size: int):
@@ -222,7 +222,7 @@ class SplitScorer:
 
 def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:
     """The head's variables by file name (``sharded_files``): kernel, bias, then ``optimizer``'s values for each
-    (``slot-m-predictions-kernel``: the same names for the split head's optimizer and a whole model's)."""
+    (``slot-m-predictions-kernel``: the same names for the sharded head's optimizer and a whole model's)."""
     arrays = {"kernel": kernel, "bias": bias}
     for variable in optimizer.variables:
         name = variable.name.split(":")[0]
@@ -232,7 +232,7 @@ def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:
 
 
 def features_view(model) -> keras.Model:
-    """``model`` up to its head's input: what a split run's checkpoint holds of it."""
+    """``model`` up to its head's input: what a sharded run's checkpoint holds of it."""
     return keras.Model(model.inputs, model.get_layer(HEAD_LAYER).input, name=model.name)
 
 
@@ -242,7 +242,7 @@ def staging(output: str) -> str:
 
 
 def stage_head(net, ctx, output: str) -> str | None:
-    """The split head's files gathered into a staging folder of rank 0 (every rank takes part); None without."""
+    """The sharded head's files gathered into a staging folder of rank 0 (every rank takes part); None without."""
     if not isinstance(net, ShardedNet):
         return None
     folder = staging(output) if ctx.is_root else None
@@ -253,7 +253,7 @@ def stage_head(net, ctx, output: str) -> str | None:
 
 
 def whole_head_files(cfg: TrainConfig, classes: int, image_size: int, precision: str, ckpt: str, folder: str) -> None:
-    """Writes the head of an unsplit run's checkpoint ``ckpt`` to ``folder`` as ``sharded_files`` (rank 0).
+    """Writes the head of an unsharded run's checkpoint ``ckpt`` to ``folder`` as ``sharded_files`` (rank 0).
 
     The whole model and its optimizer are built once and restored, as the
     run that wrote them held them: a head that run could hold fits here.

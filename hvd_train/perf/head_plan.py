@@ -1,4 +1,4 @@
-"""The classification head's cost per step: data-parallel against split by class (``--head-parallel``).
+"""The classification head's cost per step: data-parallel against sharded by class (``--head-parallel``).
 
 Both layouts do the same arithmetic (the sharded head computes ``G B`` rows
 for ``C / G`` classes instead of ``B`` rows for ``C``); they differ in what
@@ -69,7 +69,7 @@ def data_parallel(head: Head, workers: int, link: Link, fusion: float, cycle: fl
 
 
 def sharded(head: Head, workers: int, parallel: int, group_link: Link, peer_link: Link, fusion: float, cycle: float):
-    """The head split over groups of ``parallel`` ranks (``group_link`` within a group, ``peer_link`` across)."""
+    """The head sharded over groups of ``parallel`` ranks (``group_link`` within a group, ``peer_link`` across)."""
     g, b, f = parallel, head.batch, head.features
     gathered = (g - 1) * (b * (f + 2) * 4 + g * b * 5 * 8)
     scattered = (g - 1) * b * f * 4

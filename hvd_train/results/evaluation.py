@@ -10,7 +10,7 @@ one batch more than others do not wait for each other.
 
 Scores come from the head's logits, in float32, the same way in either
 layout of the head (``score_logits`` here, ``sharded_head.head_scores`` for
-the head split by class): the cross-entropy from the logits; the best class
+the head sharded by class): the cross-entropy from the logits; the best class
 and the top k by ``top_k``, where of classes with equal logits the lower
 class comes first (probabilities would tie at 0 for every class a sure
 model rules out, and a tie would put every class in the top k); and an
@@ -180,7 +180,7 @@ def evaluate(model, dataset: tf.data.Dataset, num_classes: int, ctx: Context, na
 
 
 def evaluate_sharded(net, dataset: tf.data.Dataset, num_classes: int, ctx: Context, name: str = "eval") -> EvalResult:
-    """``evaluate`` for a head split by class (``ShardedNet``): the same sums, each batch scored by its group.
+    """``evaluate`` for a head sharded by class (``ShardedNet``): the same sums, each batch scored by its group.
 
     The ranks of a group score their batches together (``head_scores``), so
     before each batch they agree whether any of them has one left; a rank

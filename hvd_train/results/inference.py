@@ -9,19 +9,19 @@ from dataclasses import dataclass
 import yaml
 
 from hvd_train.compat import keras
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.files import read_json, sha256
 from hvd_train.model import sharded_files
 from hvd_train.model.catalogue import get_spec
 
 # What a finished run leaves for inference, written together (training/finish.py).
 MODEL, LABELS, CONFIG = "model.keras", "labels.json", "run_config.yaml"
-# A split head saved as files (--head-save): the network up to the head, and the head's arrays.
+# A sharded head saved as files (--head-save): the network up to the head, and the head's arrays.
 FEATURES, HEAD_ARRAYS = "features.keras", ("kernel", "bias")
 
 
 def saved_names(folder: str) -> tuple[str, ...]:
-    """The files of the model saved in ``folder``: ``model.keras``, or (a split head saved as files)
+    """The files of the model saved in ``folder``: ``model.keras``, or (a sharded head saved as files)
     ``features.keras`` and the head's arrays; then ``labels.json`` and ``run_config.yaml``."""
     if os.path.isfile(os.path.join(folder, MODEL)) or not os.path.isfile(os.path.join(folder, FEATURES)):
         return (MODEL, LABELS, CONFIG)
@@ -45,7 +45,7 @@ class Trained:
         preprocess: the backbone's ``preprocess_input``.
         alpha_background: what transparent pixels were composited over in training.
         head: the folder of the head's arrays when the head was saved as files and is left there
-            (``load_trained(split=True)``); ``model`` is then the network up to the head.
+            (``load_trained(sharded=True)``); ``model`` is then the network up to the head.
     """
 
     model: object
@@ -57,11 +57,11 @@ class Trained:
     head: str | None = None
 
 
-def load_trained(model_dir: str, split: bool = False) -> Trained:
+def load_trained(model_dir: str, sharded: bool = False) -> Trained:
     """Loads the model (``saved_names``), ``labels.json`` and ``run_config.yaml`` of a run.
 
     A head saved as files is attached to the network before it as one
-    ordinary model, if this process has the memory for it; with ``split``
+    ordinary model, if this process has the memory for it; with ``sharded``
     it is left in its files, for ranks that each read their columns.
 
     Raises:
@@ -81,12 +81,12 @@ def load_trained(model_dir: str, split: bool = False) -> Trained:
     try:
         model = keras.models.load_model(paths[names[0]], compile=False)
     except Exception as e:  # a truncated or foreign file; Keras raises many types
-        raise UserError(f"cannot load {paths[names[0]]} ({str(e).splitlines()[0][:200]}); {hint}.") from None
+        raise UserError(f"cannot load {paths[names[0]]} ({first_line(e, limit=200)}); {hint}.") from None
     head = None
     if names[0] == FEATURES:
         _check_head(model_dir, len(classes))
-        head = model_dir if split else None
-        if not split:
+        head = model_dir if sharded else None
+        if not sharded:
             model = whole_model(model, model_dir, len(classes))
     elif len(classes) != int(model.output_shape[-1]):
         raise UserError(
@@ -121,7 +121,7 @@ def whole_model(features, folder: str, classes: int):
     if needed > room.bytes:
         raise UserError(
             f"the model in {folder} holds a head of {classes} classes saved as files, {needed / 2**30:.1f} GiB whole, "
-            f"and this process has room for {room}: score it with the head split over N processes "
+            f"and this process has room for {room}: score it with the head sharded over N processes "
             f"(horovodrun -np N hvd-train evaluate --model-dir {folder} ...), each holding 1/N of it, "
             "or use a host with more memory."
         )

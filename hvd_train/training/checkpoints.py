@@ -122,7 +122,7 @@ def save(
     Args:
         local: per-rank values, each an array with one row per rank.
         info: more to record in ``state.json`` (JSON-able).
-        extra: a folder whose files move into the checkpoint (the split head's), digested like the rest.
+        extra: a folder whose files move into the checkpoint (the sharded head's), digested like the rest.
 
     Returns:
         The checkpoint folder.
@@ -345,7 +345,7 @@ def remove_all(output: str) -> int:
 def restore(found: Found, model, optimizer, partial: bool = False) -> dict[str, np.ndarray]:
     """Loads a verified checkpoint into ``model`` and ``optimizer`` (whose variables must exist).
 
-    ``partial``: the optimizer may hold values the checkpoint has elsewhere (a split head's slots, in
+    ``partial``: the optimizer may hold values the checkpoint has elsewhere (a sharded head's slots, in
     ``head.*.npy``); something must still match.
 
     Returns:
@@ -364,7 +364,7 @@ def restore(found: Found, model, optimizer, partial: bool = False) -> dict[str, 
         else:
             status.assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
-        reason = str(e).strip().splitlines()[0][:200]
+        reason = first_line(e, limit=200)
         raise UserError(
             f"checkpoint {path} does not fit this model ({reason}); it was written by a different "
             f"configuration: use a new --output, or --no-resume to start over."

@@ -20,7 +20,7 @@ from hvd_train.distributed import gradients
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import checkpoints, split_head
+from hvd_train.training import checkpoints, sharded_stages
 from hvd_train.training.job import Job
 from hvd_train.training.state import TrainState
 
@@ -67,7 +67,7 @@ def restore_best(job: Job, ctx: Context, net: Net, state: TrainState) -> int | N
 
     The best epoch's checkpoint may be of the other layout of the head (a run
     resumed with or without ``--head-parallel`` since): it is read as a resume
-    reads it (``split_head.restore_any_layout``).
+    reads it (``sharded_stages.restore_any_layout``).
 
     Returns:
         The epoch (1-based) whose weights the net holds now, or None when
@@ -90,7 +90,7 @@ def restore_best(job: Job, ctx: Context, net: Net, state: TrainState) -> int | N
                 checkpoints.folder(run.output),
             )
             return None
-        local, head = split_head.restore_any_layout(job, net, found)
+        local, head = sharded_stages.restore_any_layout(job, net, found)
         log.info(
             "early stop: the model of epoch %d (%s %.4f) is the one saved, from %s",
             state.best_epoch + 1,
@@ -109,5 +109,5 @@ def restore_best(job: Job, ctx: Context, net: Net, state: TrainState) -> int | N
     # Horovod: every rank takes rank 0's weights of the best epoch, and its statistics.
     gradients.broadcast_variables(net.variables, ctx)
     net.write_local(row)
-    split_head.take_head(net, ctx, head, path)  # --head-parallel: each rank's classes of the best epoch's head
+    sharded_stages.take_head(net, ctx, head, path)  # --head-parallel: each rank's classes of the best epoch's head
     return epoch

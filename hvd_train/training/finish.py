@@ -32,7 +32,7 @@ from hvd_train.model.sharded_net import features_view, stage_head
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
 from hvd_train.results.inference import CONFIG, FEATURES, LABELS, MODEL, model_files
-from hvd_train.training import early_stop, epoch_end, s3_mirror, split_head
+from hvd_train.training import early_stop, epoch_end, s3_mirror, sharded_stages
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
 
@@ -147,7 +147,7 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     """Rank 0: the model and what describes it, then ``summary.json`` that ties them together, then pictures.
 
     Args:
-        head: the split head's files (``--head-parallel``): the saved model is the ordinary one, head whole.
+        head: the sharded head's files (``--head-parallel``): the saved model is the ordinary one, head whole.
     """
     cfg = job.cfg
 
@@ -156,12 +156,12 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
 
     form, name = "whole", MODEL
     if head is not None:
-        form, why = split_head.save_form(cfg, net, len(job.classes))
+        form, why = sharded_stages.save_form(cfg, net, len(job.classes))
         log.info("%s", why)
     if form == "files":  # the network up to the head, and the head's arrays beside it
         name = FEATURES
-        split_head.remove_other_form(cfg.run.output, form)
-        split_head.move_head_files(head, cfg.run.output)
+        sharded_stages.remove_other_form(cfg.run.output, form)
+        sharded_stages.move_head_files(head, cfg.run.output)
         export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
         if job.precision != "fp32":
             export = compute.float32_copy(net.model, lambda: features_view(build()))
@@ -179,7 +179,7 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     # place: the three change together, within a rename of each other.
     _save_model_atomically(export, os.path.join(cfg.run.output, name), before_rename=lambda: describe(job, force=True))
     if form == "whole":
-        split_head.remove_other_form(cfg.run.output, form)
+        sharded_stages.remove_other_form(cfg.run.output, form)
     summary["saved_model"] = form
     summary["model_files"] = model_files(cfg.run.output)
     files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)

@@ -37,7 +37,7 @@ from hvd_train.model.sharded_net import ShardedNet
 from hvd_train.training import checkpoints, lr_find, s3_mirror
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
-from hvd_train.training.split_head import head_groups, restore_any_layout, take_head
+from hvd_train.training.sharded_stages import head_groups, restore_any_layout, take_head
 from hvd_train.training.state import TrainState
 
 log = get_logger("train")
@@ -176,7 +176,7 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
         return ShardedNet(
             base, cfg, cfg.run.seed, ctx.rank, job.precision, head, len(job.classes), class_counts=job.train.counts()
         )
-    layer = base.get_layer(HEAD_LAYER)  # the head every layout starts from (a split run: its columns of it)
+    layer = base.get_layer(HEAD_LAYER)  # the head every layout starts from (a sharded run: its columns of it)
     start_head(layer.kernel, layer.bias, 0, len(job.classes), cfg.run.seed)
     return Net(base, cfg, cfg.run.seed, ctx.rank, job.precision, class_counts=job.train.counts())
 

@@ -17,7 +17,7 @@ import time
 
 from hvd_train import files
 from hvd_train.config import parse_every
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
 from hvd_train.results import plots
 
@@ -254,7 +254,7 @@ class Reporters:
 
             if not isinstance(e, tf.errors.OpError):
                 raise
-            raise self._write_error(self.tensorboard_folder, str(e).strip().splitlines()[0], checkpoint) from None
+            raise self._write_error(self.tensorboard_folder, first_line(e), checkpoint) from None
 
     @staticmethod
     def _write_error(path: str, reason: str, checkpoint: str) -> UserError:

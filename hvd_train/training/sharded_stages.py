@@ -1,4 +1,4 @@
-"""The stages of a run that split its head (``--head-parallel``): its groups, a resume from an unsplit run, and
+"""The stages of a run that split its head (``--head-parallel``): its groups, a resume from an unsharded run, and
 the saved model's form (``--head-save``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hvd_train.config import TrainConfig
 from hvd_train.distributed import groups, memory
 from hvd_train.distributed.context import Context
 from hvd_train.distributed.groups import HeadGroups
-from hvd_train.errors import UserError
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
 from hvd_train.model import sharded_files
 from hvd_train.results.inference import FEATURES, HEAD_ARRAYS, MODEL
@@ -22,8 +22,8 @@ from hvd_train.training.job import Job
 log = get_logger("train")
 
 
-def unsplit_head(job: Job, found: checkpoints.Found) -> str:
-    """The head of an unsplit run's checkpoint, written whole to a staging folder (rank 0)."""
+def unsharded_head(job: Job, found: checkpoints.Found) -> str:
+    """The head of an unsharded run's checkpoint, written whole to a staging folder (rank 0)."""
     from hvd_train.model.sharded_net import staging, whole_head_files
 
     folder = staging(job.cfg.run.output) + "-resume"
@@ -33,19 +33,19 @@ def unsplit_head(job: Job, found: checkpoints.Found) -> str:
         )
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         raise UserError(
-            f"checkpoint {found.path} does not fit this model ({str(e).strip().splitlines()[0][:200]}); use a new "
+            f"checkpoint {found.path} does not fit this model ({first_line(e, limit=200)}); use a new "
             "--output, or --no-resume to start over."
         ) from None
     return folder
 
 
 def restore_any_layout(job: Job, net, found: checkpoints.Found):
-    """Rank 0 restores ``found``, of a run with its head split or not, into ``net``, of either layout.
+    """Rank 0 restores ``found``, of a run with its head sharded or not, into ``net``, of either layout.
 
     Returns:
         The checkpoint's rows of local values, and the folder of the head's files that ``take_head``
         splits over the ranks of a ``ShardedNet`` (``found.path``, or a staging folder for the head of an
-        unsplit run's checkpoint).
+        unsharded run's checkpoint).
 
     Raises:
         UserError: the checkpoint does not fit this model.
@@ -55,11 +55,11 @@ def restore_any_layout(job: Job, net, found: checkpoints.Found):
 
     head = found.path
     if isinstance(net, ShardedNet):
-        if not sharded_files.has_head(found.path):  # an unsplit run's checkpoint: its head, whole, into files
-            head = unsplit_head(job, found)
+        if not sharded_files.has_head(found.path):  # an unsharded run's checkpoint: its head, whole, into files
+            head = unsharded_head(job, found)
         sharded_files.check(head, net.head_arrays(), net.classes)
         rows = checkpoints.restore(found, net.model, net.optimizer)["rows"]
-    elif sharded_files.has_head(found.path):  # a split run's checkpoint: the whole head from its files
+    elif sharded_files.has_head(found.path):  # a sharded run's checkpoint: the whole head from its files
         layer = net.model.get_layer(HEAD_LAYER)
         arrays = head_arrays(layer.kernel, layer.bias, net.optimizer)
         classes = len(job.classes)
@@ -85,7 +85,7 @@ def take_head(net, ctx: Context, head: str | None, path: str | None) -> None:
 
 
 def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | None:
-    """``--head-parallel``: the groups that split the head, registered with Horovod; None without.
+    """``--head-parallel``: the groups that shard the head, registered with Horovod; None without.
 
     Raises:
         UserError: on every rank alike, for a G this job or these classes cannot have.
@@ -98,7 +98,7 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
         groups.check(parallel, ctx.size, classes)
         if parallel == 1:
             raise UserError(
-                f"--head-parallel {cfg.horovod.head_parallel} splits the head over one worker, which is no split: "
+                f"--head-parallel {cfg.horovod.head_parallel} shards the head over one worker, which is no split: "
                 f"drop --head-parallel (this job has {ctx.size} worker(s))."
             )
     except UserError as e:  # every rank finds the same: rank 0 says it
@@ -115,7 +115,7 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
 
 
 def choose_save(asked: str, needed: int, room: memory.Room) -> tuple[str, str]:
-    """How rank 0 saves a split head, ``whole`` or ``files`` (``--head-save``), and why, in one line.
+    """How rank 0 saves a sharded head, ``whole`` or ``files`` (``--head-save``), and why, in one line.
 
     Args:
         needed: bytes rank 0 needs to build and write the whole model.
@@ -128,7 +128,7 @@ def choose_save(asked: str, needed: int, room: memory.Room) -> tuple[str, str]:
     why = "--head-save files" if asked == "files" else f"saving it whole takes {size}, rank 0 has room for {room} only"
     return "files", (
         f"the model saved as {FEATURES} and the head's arrays ({why}); `hvd-train evaluate` under horovodrun -np N "
-        "scores it with the head split N ways"
+        "scores it with the head sharded N ways"
     )
 
 
