@@ -117,7 +117,7 @@ def in_a_fresh_folder(tmp_path, monkeypatch):
 
 
 def test_a_sweeps_default_store_is_made_once_before_its_trials_which_then_log_to_it(in_a_fresh_folder):
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     uri = tracking.tracking_uri()
     assert uri == f"sqlite:///{in_a_fresh_folder / 'mlflow.db'}"
@@ -127,19 +127,21 @@ def test_a_sweeps_default_store_is_made_once_before_its_trials_which_then_log_to
     assert runs == []
     # A trial: its run in the store and experiment made for it.
     (in_a_fresh_folder / "trial-0000").mkdir()
-    tracker = tracking.Tracker.start(_tracked_config(in_a_fresh_folder / "trial-0000", "", "sweep"), resumed=False)
+    tracker = tracking.MlflowTracker.start(
+        _tracked_config(in_a_fresh_folder / "trial-0000", "", "sweep"), resumed=False
+    )
     tracker.finish({"val_accuracy": 0.25})
     _, runs = mlflow_runs_of(uri, "sweep")
     assert [(r.info.run_name, r.info.status) for r in runs] == [("trial-0000", "FINISHED")]
 
 
 def test_a_broken_default_store_is_refused_in_one_line_naming_it(in_a_fresh_folder):
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     (in_a_fresh_folder / "mlflow.db").write_bytes(b"not a database, " * 100)
     for attempt in (
         lambda: tracking.prepare(tracking.tracking_uri(), "sweep"),
-        lambda: tracking.Tracker.start(_tracked_config(in_a_fresh_folder, "", "run"), resumed=False),
+        lambda: tracking.MlflowTracker.start(_tracked_config(in_a_fresh_folder, "", "run"), resumed=False),
     ):
         with pytest.raises(UserError) as refused:
             attempt()
@@ -154,7 +156,7 @@ AT_ONCE = """
 import os, sys, time
 import mlflow.tracking
 from hvd_train import config
-from hvd_train.experiments import tracking
+from hvd_train.training.tracking import mlflow as tracking
 
 uri, go, how, output = sys.argv[1:]
 print("ready", flush=True)
@@ -165,7 +167,7 @@ if how == "prepare":
 else:
     os.makedirs(output)
     run = {"output": output, "track": "mlflow", "track_uri": uri, "track_experiment": "at-once"}
-    tracking.Tracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
+    tracking.MlflowTracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
 """
 
 
@@ -195,7 +197,7 @@ def test_processes_that_make_a_new_store_at_once_both_log_to_it(tmp_path, reques
 def test_a_store_whose_tables_are_half_made_is_refused_in_one_line_saying_so(tmp_path):
     import sqlite3
 
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracking.prepare(f"sqlite:///{tmp_path}/./mlflow.db", "made")  # another spelling: MLflow keeps a store per URI
@@ -241,13 +243,13 @@ TRUST = {
 @pytest.mark.parametrize("variable", sorted(TRUST))
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # MLflow's client's, told so
 def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monkeypatch, variable):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     uri, certificate = https_mlflow
     for name in TRUST:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, TRUST[variable](certificate))
-    tracker = Tracker.start(_tracked_config(tmp_path, uri, variable), resumed=False)
+    tracker = MlflowTracker.start(_tracked_config(tmp_path, uri, variable), resumed=False)
     tracker.log_epoch(1, {"val_accuracy": 0.5})
     tracker.finish({"val_accuracy": 0.5})
     _, runs = mlflow_runs_of(uri, variable)
@@ -256,7 +258,7 @@ def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monk
 
 
 def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflow, tmp_path, monkeypatch):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     uri, _ = https_mlflow
     for name in TRUST:
@@ -264,7 +266,7 @@ def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflo
     with pytest.raises(
         UserError, match=r"cannot log to MLflow at https://127\.0\.0\.1:\d+ \(.*CERTIFICATE_VERIFY"
     ) as e:
-        Tracker.start(_tracked_config(tmp_path, uri, "untrusted"), resumed=False)
+        MlflowTracker.start(_tracked_config(tmp_path, uri, "untrusted"), resumed=False)
     assert "trust the server's certificate" in str(e.value) and "\n" not in str(e.value), e.value
 
 
@@ -314,13 +316,15 @@ def no_mlflow_credentials(monkeypatch):
 def test_a_server_behind_a_proxy_that_demands_credentials_is_tracked_to_with_mlflows_own(
     guarded_mlflow, tmp_path, no_mlflow_credentials, way
 ):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     variables, userinfo = CREDENTIALS[way]
     for name, value in variables.items():
         no_mlflow_credentials.setenv(name, value)
     experiment = f"guarded-{way.replace(' ', '-')}"
-    tracker = Tracker.start(_tracked_config(tmp_path, guarded_mlflow.replace("//", f"//{userinfo}"), experiment), False)
+    tracker = MlflowTracker.start(
+        _tracked_config(tmp_path, guarded_mlflow.replace("//", f"//{userinfo}"), experiment), False
+    )
     tracker.log_epoch(1, {"val_accuracy": 0.5})
     tracker.finish({"val_accuracy": 0.5})
     _, runs = mlflow_runs_of(guarded_mlflow.replace("//", f"//{PROXY_USER}:{PROXY_PASSWORD}@"), experiment)
@@ -331,11 +335,11 @@ def test_a_server_behind_a_proxy_that_demands_credentials_is_tracked_to_with_mlf
 def test_a_proxy_that_refuses_the_credentials_is_named_in_one_line_without_them(
     guarded_mlflow, tmp_path, no_mlflow_credentials
 ):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     wrong = guarded_mlflow.replace("//", f"//{PROXY_USER}:not-{PROXY_PASSWORD}@")
     with pytest.raises(UserError) as refused:
-        Tracker.start(_tracked_config(tmp_path, wrong, "refused"), resumed=False)
+        MlflowTracker.start(_tracked_config(tmp_path, wrong, "refused"), resumed=False)
     message = str(refused.value)
     assert message.startswith(f"cannot log to MLflow at {guarded_mlflow} (") and "\n" not in message, message
     assert "401" in message and "MLFLOW_TRACKING_USERNAME" in message and PROXY_PASSWORD not in message, message
