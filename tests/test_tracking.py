@@ -32,9 +32,9 @@ def tracked_run(mlflow_server, tmp_path_factory, demo_small):
         *TRACKED,
         "--track",
         "mlflow",
-        "--track-uri",
+        "--tracker-uri",
         mlflow_server,
-        "--track-experiment",
+        "--tracker-project",
         "flowers",
         # A credential in the configuration must reach no parameter.
         "--s3-endpoint",
@@ -99,7 +99,7 @@ def test_tensorboard_hparams_hold_the_config_and_the_final_numbers(tracked_run):
 
 def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, demo_small):
     uri = f"http://someone:{SECRET}@127.0.0.1:{free_port()}"
-    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--track", "mlflow", "--track-uri", uri])
+    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--track", "mlflow", "--tracker-uri", uri])
     assert proc.returncode == 2, output_of(proc)
     assert "cannot log to MLflow at http://127.0.0.1:" in proc.stderr and SECRET not in proc.stderr
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
@@ -147,7 +147,7 @@ def test_a_broken_default_store_is_refused_in_one_line_naming_it(in_a_fresh_fold
             attempt()
         message = str(refused.value)
         assert message.startswith(f"cannot log to MLflow at sqlite:///{in_a_fresh_folder / 'mlflow.db'} ("), message
-        assert "check --track-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
+        assert "check --tracker-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
 
 
 # Makes a new store ready as a sweep does before its trials (prepare) or as a tracked run does at its start,
@@ -166,7 +166,7 @@ if how == "prepare":
     tracking.prepare(uri, "at-once")
 else:
     os.makedirs(output)
-    run = {"output": output, "track": "mlflow", "track_uri": uri, "track_experiment": "at-once"}
+    run = {"output": output, "track": "mlflow", "tracker_uri": uri, "tracker_project": "at-once"}
     tracking.MlflowTracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
 """
 
@@ -228,7 +228,7 @@ def https_mlflow(tmp_path_factory):
 def _tracked_config(output, uri: str, experiment: str):
     from hvd_train import config
 
-    run = {"output": str(output), "track": "mlflow", "track_uri": uri, "track_experiment": experiment}
+    run = {"output": str(output), "track": "mlflow", "tracker_uri": uri, "tracker_project": experiment}
     return config.build({"data": {"train": "images"}, "run": run})
 
 
@@ -275,7 +275,7 @@ def test_a_run_that_fails_in_training_ends_its_mlflow_run_failed(tmp_path, demo_
     shutil.copytree(demo_small, data)
     png_with_a_corrupt_middle(next(data.iterdir()) / "corrupt.png")  # passes the quick check, fails to decode
     args = ["train", "--data", data, "--output", tmp_path / "run", *TINY, "--on-bad-image", "fail"]
-    proc = cli([*args, "--track", "mlflow", "--track-uri", mlflow_server, "--track-experiment", "failing"])
+    proc = cli([*args, "--track", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "failing"])
     assert proc.returncode == 2 and "during training; fix or remove it" in proc.stderr, output_of(proc)
     _, runs = mlflow_runs_of(mlflow_server, "failing")
     assert [r.info.status for r in runs] == ["FAILED"]

@@ -142,6 +142,7 @@ def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
     train = loaded.get("train") or {}
     if not isinstance(train, dict) or not all(isinstance(b, dict) for b in train.values()):
         raise fail("`train` must map sections (data, model, optim, run, ...) to their options, as `--config`.")
+    train = sources.renamed_keys(train, f"{where}: train")  # an option's older key under its name now
     if "output" in (train.get("run") or {}):
         raise fail("`train.run.output` is set by the sweep (each trial a folder of its own); remove it.")
     search = loaded.get("search")

@@ -21,9 +21,9 @@ def name_trial(run: dict[str, Any], output: str, project: str) -> None:
     found = tracking.entry(str(run.get("track", "none")))
     if found is None or not found.sweep_names:
         return
-    run.setdefault("track_run", os.path.basename(output))
+    run.setdefault("tracker_run", os.path.basename(output))
     if project:
-        run.setdefault("track_experiment", project)
+        run.setdefault("tracker_project", project)
 
 
 def prepare(run: dict[str, Any], study: str) -> None:
@@ -35,4 +35,4 @@ def prepare(run: dict[str, Any], study: str) -> None:
     """
     found = tracking.entry(str(run.get("track", "none")))
     if found is not None:
-        found.prepare_sweep(str(run.get("track_uri") or ""), str(run.get("track_experiment") or study))
+        found.prepare_sweep(str(run.get("tracker_uri") or ""), str(run.get("tracker_project") or study))

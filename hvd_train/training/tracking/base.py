@@ -75,7 +75,7 @@ class Tracker(ABC):
 
     @classmethod
     def prepare_sweep(cls, uri: str, project: str) -> None:
-        """What a sweep makes ready once before its trials, given the base's tracker URI and the
+        """What a sweep makes ready once before its trials, given the base's ``tracker_uri`` and the
         sweep's project; nothing by default.
 
         Raises:

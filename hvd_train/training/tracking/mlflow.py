@@ -6,8 +6,8 @@ configuration as parameters (flattened as ``section.option``, credentials
 left out as in ``run_config.yaml``), every epoch's metrics.csv row as
 metrics at that epoch, and at the end the run's files as artefacts
 (curves.png, confusion.png, report.html, summary.json, run_config.yaml,
-labels.json, model.keras) and its final numbers. ``--track-uri`` is the
-tracking URI, ``--track-experiment`` the experiment, ``--track-run`` the
+labels.json, model.keras) and its final numbers. ``--tracker-uri`` is the
+tracking URI, ``--tracker-project`` the experiment, ``--tracker-run`` the
 run's name.
 
 The tracking server is asked at the start: a URI that does not answer stops
@@ -79,9 +79,9 @@ class MlflowTracker(Tracker):
         """
         run = cfg.run
         mlflow = _mlflow()
-        uri = tracking_uri(run.track_uri)
-        experiment = run.track_experiment or "hvd_train"
-        tracker = cls(run.output, uri, experiment, run.track_run or os.path.basename(os.path.abspath(run.output)))
+        uri = tracking_uri(run.tracker_uri)
+        experiment = run.tracker_project or "hvd_train"
+        tracker = cls(run.output, uri, experiment, run.tracker_run or os.path.basename(os.path.abspath(run.output)))
         tracker._begin(mlflow, cfg, resumed)
         return tracker
 
@@ -153,7 +153,7 @@ class MlflowTracker(Tracker):
 
 
 def tracking_uri(given: str = "") -> str:
-    """``given`` (``--track-uri``), else MLflow's: ``MLFLOW_TRACKING_URI``, else its default (a SQLite
+    """``given`` (``--tracker-uri``), else MLflow's: ``MLFLOW_TRACKING_URI``, else its default (a SQLite
     ``mlflow.db`` in the working folder)."""
     return given or _mlflow().get_tracking_uri()
 
@@ -279,7 +279,7 @@ def _fix(uri: str, error: Exception) -> str:
     if _in_migration(error):  # what MLflow's migrations found was neither new nor a schema they know
         return (
             "its tables are half made (a migration of them cut short, or run by two processes at once): move "
-            "that database aside, or give --track-uri another"
+            "that database aside, or give --tracker-uri another"
         )
     if any(word in text for word in ("error code 401", "error code 403", "UNAUTHENTICATED", "PERMISSION_DENIED")):
         return (
@@ -287,8 +287,8 @@ def _fix(uri: str, error: Exception) -> str:
             "MLFLOW_TRACKING_TOKEN"
         )
     if uri.startswith(("http://", "https://")):
-        return "start the tracking server, or check --track-uri / MLFLOW_TRACKING_URI"
-    return "check --track-uri / MLFLOW_TRACKING_URI"
+        return "start the tracking server, or check --tracker-uri / MLFLOW_TRACKING_URI"
+    return "check --tracker-uri / MLFLOW_TRACKING_URI"
 
 
 def _in_migration(error: Exception) -> bool:
