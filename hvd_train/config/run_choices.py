@@ -9,7 +9,7 @@ from hvd_train.config.fields import renamed as _renamed
 
 EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5")
 # --track: none, and the names of the table of trackers (training.tracking.TRACKERS, which a test holds it to).
-TRACKERS = ("none", "mlflow")
+TRACKERS = ("none", "mlflow", "jsonl")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class RunConfig:
             and ``rollback`` lines mark what was kept: a step counts once a
             commit follows it before any rollback.
         track: the tracker rank 0 copies the run to as it goes (its
-            parameters, every epoch's metrics, the end): ``mlflow``; ``none``.
+            parameters, every epoch's metrics, the end): ``mlflow``,
+            ``jsonl``; ``none``.
         tracker_uri: where the tracker writes (``track_uri`` before).
         tracker_project: the project of the run (``track_experiment`` before).
         tracker_run: the run's name (``track_run`` before). Each one's help
@@ -91,19 +92,28 @@ class RunConfig:
     )
     log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
     sample_log: str = _opt("", "--sample-log", "folder where each rank logs the image ids of every step (audits)")
-    track: str = _opt("none", "--track", "tracker rank 0 copies the run to: mlflow, an MLflow run", choices=TRACKERS)
+    track: str = _opt(
+        "none",
+        "--track",
+        "tracker rank 0 copies the run to: mlflow, an MLflow run; jsonl, a file of JSON lines (no server)",
+        choices=TRACKERS,
+    )
     tracker_uri: str = _opt(
         "",
         "--tracker-uri",
-        "where the tracker writes; mlflow: the tracking URI (empty: MLFLOW_TRACKING_URI, else MLflow's own)",
+        "where the tracker writes; mlflow: the tracking URI (empty: MLFLOW_TRACKING_URI, else MLflow's own); "
+        "jsonl: the file, a path inside --output or an absolute one (empty: tracking.jsonl in --output)",
         **_renamed("track_uri"),
     )
     tracker_project: str = _opt(
-        "hvd_train", "--tracker-project", "the run's project; mlflow: its experiment", **_renamed("track_experiment")
+        "hvd_train",
+        "--tracker-project",
+        "the run's project; mlflow: its experiment; jsonl: the project of every event",
+        **_renamed("track_experiment"),
     )
     tracker_run: str = _opt(
         "",
         "--tracker-run",
-        "the run's name (empty: the --output folder's name); mlflow: its run's",
+        "the run's name (empty: the --output folder's name); mlflow: its run's; jsonl: the run of every event",
         **_renamed("track_run"),
     )

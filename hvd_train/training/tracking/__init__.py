@@ -8,9 +8,10 @@ HParams, written by every run with TensorBoard logs, are ``hparams``.
 from __future__ import annotations
 
 from hvd_train.training.tracking.base import Tracker
+from hvd_train.training.tracking.jsonl import JsonlTracker
 from hvd_train.training.tracking.mlflow import MlflowTracker
 
-TRACKERS: dict[str, type[Tracker]] = {entry.name: entry for entry in (MlflowTracker,)}
+TRACKERS: dict[str, type[Tracker]] = {entry.name: entry for entry in (MlflowTracker, JsonlTracker)}
 
 
 def entry(name: str) -> type[Tracker] | None:
