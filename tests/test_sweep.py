@@ -375,7 +375,7 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
         prune_warmup_epochs=1,
     )
     spec = yaml.safe_load(path.read_text())
-    spec["train"]["run"].update(track="mlflow", track_uri=mlflow_server)
+    spec["train"]["run"].update(track="mlflow", tracker_uri=mlflow_server)
     path.write_text(yaml.safe_dump(spec))
     proc = run([*HVD_TRAIN, "sweep", path, "--output", tmp_path / "out"], timeout=600)
     assert proc.returncode == 0, output_of(proc)

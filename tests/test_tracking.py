@@ -32,9 +32,9 @@ def tracked_run(mlflow_server, tmp_path_factory, demo_small):
         *TRACKED,
         "--track",
         "mlflow",
-        "--track-uri",
+        "--tracker-uri",
         mlflow_server,
-        "--track-experiment",
+        "--tracker-project",
         "flowers",
         # A credential in the configuration must reach no parameter.
         "--s3-endpoint",
@@ -99,7 +99,7 @@ def test_tensorboard_hparams_hold_the_config_and_the_final_numbers(tracked_run):
 
 def test_a_tracking_server_that_does_not_answer_stops_the_run_at_once(tmp_path, demo_small):
     uri = f"http://someone:{SECRET}@127.0.0.1:{free_port()}"
-    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--track", "mlflow", "--track-uri", uri])
+    proc = cli(["train", "--data", demo_small, "--output", tmp_path, *TINY, "--track", "mlflow", "--tracker-uri", uri])
     assert proc.returncode == 2, output_of(proc)
     assert "cannot log to MLflow at http://127.0.0.1:" in proc.stderr and SECRET not in proc.stderr
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
@@ -117,7 +117,7 @@ def in_a_fresh_folder(tmp_path, monkeypatch):
 
 
 def test_a_sweeps_default_store_is_made_once_before_its_trials_which_then_log_to_it(in_a_fresh_folder):
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     uri = tracking.tracking_uri()
     assert uri == f"sqlite:///{in_a_fresh_folder / 'mlflow.db'}"
@@ -127,25 +127,27 @@ def test_a_sweeps_default_store_is_made_once_before_its_trials_which_then_log_to
     assert runs == []
     # A trial: its run in the store and experiment made for it.
     (in_a_fresh_folder / "trial-0000").mkdir()
-    tracker = tracking.Tracker.start(_tracked_config(in_a_fresh_folder / "trial-0000", "", "sweep"), resumed=False)
+    tracker = tracking.MlflowTracker.start(
+        _tracked_config(in_a_fresh_folder / "trial-0000", "", "sweep"), resumed=False
+    )
     tracker.finish({"val_accuracy": 0.25})
     _, runs = mlflow_runs_of(uri, "sweep")
     assert [(r.info.run_name, r.info.status) for r in runs] == [("trial-0000", "FINISHED")]
 
 
 def test_a_broken_default_store_is_refused_in_one_line_naming_it(in_a_fresh_folder):
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     (in_a_fresh_folder / "mlflow.db").write_bytes(b"not a database, " * 100)
     for attempt in (
         lambda: tracking.prepare(tracking.tracking_uri(), "sweep"),
-        lambda: tracking.Tracker.start(_tracked_config(in_a_fresh_folder, "", "run"), resumed=False),
+        lambda: tracking.MlflowTracker.start(_tracked_config(in_a_fresh_folder, "", "run"), resumed=False),
     ):
         with pytest.raises(UserError) as refused:
             attempt()
         message = str(refused.value)
         assert message.startswith(f"cannot log to MLflow at sqlite:///{in_a_fresh_folder / 'mlflow.db'} ("), message
-        assert "check --track-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
+        assert "check --tracker-uri / MLFLOW_TRACKING_URI" in message and "\n" not in message, message
 
 
 # Makes a new store ready as a sweep does before its trials (prepare) or as a tracked run does at its start,
@@ -154,7 +156,7 @@ AT_ONCE = """
 import os, sys, time
 import mlflow.tracking
 from hvd_train import config
-from hvd_train.experiments import tracking
+from hvd_train.training.tracking import mlflow as tracking
 
 uri, go, how, output = sys.argv[1:]
 print("ready", flush=True)
@@ -164,8 +166,8 @@ if how == "prepare":
     tracking.prepare(uri, "at-once")
 else:
     os.makedirs(output)
-    run = {"output": output, "track": "mlflow", "track_uri": uri, "track_experiment": "at-once"}
-    tracking.Tracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
+    run = {"output": output, "track": "mlflow", "tracker_uri": uri, "tracker_project": "at-once"}
+    tracking.MlflowTracker.start(config.build({"data": {"train": "images"}, "run": run}), resumed=False)
 """
 
 
@@ -195,7 +197,7 @@ def test_processes_that_make_a_new_store_at_once_both_log_to_it(tmp_path, reques
 def test_a_store_whose_tables_are_half_made_is_refused_in_one_line_saying_so(tmp_path):
     import sqlite3
 
-    from hvd_train.experiments import tracking
+    from hvd_train.training.tracking import mlflow as tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracking.prepare(f"sqlite:///{tmp_path}/./mlflow.db", "made")  # another spelling: MLflow keeps a store per URI
@@ -226,7 +228,7 @@ def https_mlflow(tmp_path_factory):
 def _tracked_config(output, uri: str, experiment: str):
     from hvd_train import config
 
-    run = {"output": str(output), "track": "mlflow", "track_uri": uri, "track_experiment": experiment}
+    run = {"output": str(output), "track": "mlflow", "tracker_uri": uri, "tracker_project": experiment}
     return config.build({"data": {"train": "images"}, "run": run})
 
 
@@ -241,13 +243,13 @@ TRUST = {
 @pytest.mark.parametrize("variable", sorted(TRUST))
 @pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")  # MLflow's client's, told so
 def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monkeypatch, variable):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     uri, certificate = https_mlflow
     for name in TRUST:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(variable, TRUST[variable](certificate))
-    tracker = Tracker.start(_tracked_config(tmp_path, uri, variable), resumed=False)
+    tracker = MlflowTracker.start(_tracked_config(tmp_path, uri, variable), resumed=False)
     tracker.log_epoch(1, {"val_accuracy": 0.5})
     tracker.finish({"val_accuracy": 0.5})
     _, runs = mlflow_runs_of(uri, variable)
@@ -256,7 +258,7 @@ def test_a_https_server_mlflow_trusts_is_tracked_to(https_mlflow, tmp_path, monk
 
 
 def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflow, tmp_path, monkeypatch):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     uri, _ = https_mlflow
     for name in TRUST:
@@ -264,7 +266,7 @@ def test_a_https_server_mlflow_does_not_trust_is_refused_in_one_line(https_mlflo
     with pytest.raises(
         UserError, match=r"cannot log to MLflow at https://127\.0\.0\.1:\d+ \(.*CERTIFICATE_VERIFY"
     ) as e:
-        Tracker.start(_tracked_config(tmp_path, uri, "untrusted"), resumed=False)
+        MlflowTracker.start(_tracked_config(tmp_path, uri, "untrusted"), resumed=False)
     assert "trust the server's certificate" in str(e.value) and "\n" not in str(e.value), e.value
 
 
@@ -273,7 +275,7 @@ def test_a_run_that_fails_in_training_ends_its_mlflow_run_failed(tmp_path, demo_
     shutil.copytree(demo_small, data)
     png_with_a_corrupt_middle(next(data.iterdir()) / "corrupt.png")  # passes the quick check, fails to decode
     args = ["train", "--data", data, "--output", tmp_path / "run", *TINY, "--on-bad-image", "fail"]
-    proc = cli([*args, "--track", "mlflow", "--track-uri", mlflow_server, "--track-experiment", "failing"])
+    proc = cli([*args, "--track", "mlflow", "--tracker-uri", mlflow_server, "--tracker-project", "failing"])
     assert proc.returncode == 2 and "during training; fix or remove it" in proc.stderr, output_of(proc)
     _, runs = mlflow_runs_of(mlflow_server, "failing")
     assert [r.info.status for r in runs] == ["FAILED"]
@@ -314,13 +316,15 @@ def no_mlflow_credentials(monkeypatch):
 def test_a_server_behind_a_proxy_that_demands_credentials_is_tracked_to_with_mlflows_own(
     guarded_mlflow, tmp_path, no_mlflow_credentials, way
 ):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     variables, userinfo = CREDENTIALS[way]
     for name, value in variables.items():
         no_mlflow_credentials.setenv(name, value)
     experiment = f"guarded-{way.replace(' ', '-')}"
-    tracker = Tracker.start(_tracked_config(tmp_path, guarded_mlflow.replace("//", f"//{userinfo}"), experiment), False)
+    tracker = MlflowTracker.start(
+        _tracked_config(tmp_path, guarded_mlflow.replace("//", f"//{userinfo}"), experiment), False
+    )
     tracker.log_epoch(1, {"val_accuracy": 0.5})
     tracker.finish({"val_accuracy": 0.5})
     _, runs = mlflow_runs_of(guarded_mlflow.replace("//", f"//{PROXY_USER}:{PROXY_PASSWORD}@"), experiment)
@@ -331,11 +335,11 @@ def test_a_server_behind_a_proxy_that_demands_credentials_is_tracked_to_with_mlf
 def test_a_proxy_that_refuses_the_credentials_is_named_in_one_line_without_them(
     guarded_mlflow, tmp_path, no_mlflow_credentials
 ):
-    from hvd_train.experiments.tracking import Tracker
+    from hvd_train.training.tracking.mlflow import MlflowTracker
 
     wrong = guarded_mlflow.replace("//", f"//{PROXY_USER}:not-{PROXY_PASSWORD}@")
     with pytest.raises(UserError) as refused:
-        Tracker.start(_tracked_config(tmp_path, wrong, "refused"), resumed=False)
+        MlflowTracker.start(_tracked_config(tmp_path, wrong, "refused"), resumed=False)
     message = str(refused.value)
     assert message.startswith(f"cannot log to MLflow at {guarded_mlflow} (") and "\n" not in message, message
     assert "401" in message and "MLFLOW_TRACKING_USERNAME" in message and PROXY_PASSWORD not in message, message

@@ -16,8 +16,10 @@ uses the section names as top-level keys::
 The resolved configuration is validated once, before any rank reads data,
 and written next to the outputs as ``run_config.yaml``.
 
-The package: ``choices`` (the dataclasses and their fields), ``checks``
-(``validate``) and ``sources`` (flags, YAML, the merge). Its face names
+The package: ``choices`` (the dataclasses and their fields; the run's in
+``run_choices``, each field made by ``fields``), ``checks`` (``validate``)
+and ``sources`` (flags, YAML, the merge; an option renamed keeps its older
+flag and YAML key). Its face names
 what callers outside it use, so ``config.from_sources`` and
 ``config.TrainConfig`` read as one thing.
 """

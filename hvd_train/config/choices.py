@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from hvd_train.config.fields import opt as _opt
+from hvd_train.config.run_choices import RunConfig
 from hvd_train.data.storage import S3Options, redact_url
 
 AUGMENTATIONS = ("crop,flip", "crop", "flip", "none", "randaugment")
@@ -25,9 +27,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 # AdamW's weight decay when none is given: Keras's own (``keras.optimizers.AdamW()``), the optimizer
 # built here; PyTorch's AdamW takes 0.01, timm's train.py 2e-5 (docs/training.md, "AdamW").
 ADAMW_WEIGHT_DECAY = 0.004
-TRACKERS = ("none", "mlflow")
 CLASS_WEIGHTS = ("none", "auto")
-EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5")
 BAD_IMAGE_POLICIES = ("skip", "fail")
 IMAGE_CHECKS = ("quick", "full", "none")  # data.sources
 S3_RETRY_MODES = ("standard", "adaptive")
@@ -47,10 +47,6 @@ MODEL_HELP = (
 
 # The default of --steps-per-call (benchmarks/RESULTS.md, "Steps per call").
 STEPS_PER_CALL = 4
-
-
-def _opt(default: Any, flag: str, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"flag": flag, "help": help, **extra})
 
 
 @dataclass(frozen=True)
@@ -360,92 +356,6 @@ class HorovodConfig:
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """The run itself.
-
-    Attributes:
-        output: folder for the model, logs, checkpoints and metrics.
-        epochs: number of training epochs.
-        early_stop: stop once ``early_stop_metric`` has not improved for
-            this many epochs; the best epoch's weights are the saved model
-            (its checkpoint is kept). 0: off.
-        early_stop_metric: the held-out number watched: ``val_accuracy``,
-            ``val_top5`` (higher is better) or ``val_loss`` (lower).
-        seed: seed of the split, the shuffles and the augmentation.
-        resume: continue from the latest checkpoint in ``output``. False
-            (``--no-resume``) starts over; the checkpoints already in
-            ``output`` are deleted once training starts (after the data is
-            listed and the model built), not before.
-        allow_data_change: resume even when the images listed now differ
-            from those the checkpoint was made with (its digests); the
-            interrupted epoch then starts over. Without it such a resume is
-            refused: the rest of the run would map onto other files.
-        keep_checkpoints: how many checkpoints to keep (epoch ends and mid-epoch ones together).
-        checkpoint_every: also checkpoint inside epochs: every N steps
-            (``500``) or every duration (``90s``, ``15m``, ``2h``); empty:
-            at epoch ends only.
-        deterministic: TensorFlow op determinism: the same run gives
-            bit-identical weights, also when interrupted and resumed.
-        tensorboard: write TensorBoard logs under ``output/tensorboard``.
-        log_every: when the output is not a terminal, a progress line (step,
-            images/s, loss, ETA) every N steps (``200``) or every duration
-            (``30s``); empty: at epoch ends only. TensorBoard gets the same
-            numbers, as ``step_*`` scalars.
-        log_all_ranks: every rank logs at INFO, not only rank 0.
-        sample_log: folder where every rank appends the ids of the images of
-            each step (JSON lines), to audit what was trained on. A step's
-            line is written as the step starts, before its allreduce: every
-            step that completed is there, and a step cut short by a lost
-            worker or a kill may be there too. In an elastic job, ``commit``
-            and ``rollback`` lines mark what was kept: a step counts once a
-            commit follows it before any rollback.
-        track: ``mlflow``: rank 0 logs the run to MLflow (parameters,
-            every epoch's metrics, the run's files at the end); ``none``.
-        track_uri: the MLflow tracking URI; empty: ``MLFLOW_TRACKING_URI``,
-            else MLflow's default (``sqlite:///mlflow.db`` in the working
-            folder).
-        track_experiment: the MLflow experiment (``hvd_train``).
-        track_run: the MLflow run's name (the --output folder's name).
-    """
-
-    output: str = _opt("", "--output", "folder for the model, logs, checkpoints and metrics")
-    epochs: int = _opt(10, "--epochs", "number of training epochs")
-    early_stop: int = _opt(
-        0, "--early-stop", "stop after this many epochs without a better held-out score; save the best (0: off)"
-    )
-    early_stop_metric: str = _opt(
-        "val_accuracy", "--early-stop-metric", "held-out number --early-stop watches", choices=EARLY_STOP_METRICS
-    )
-    seed: int = _opt(42, "--seed", "seed of the split, the shuffles and the augmentation")
-    resume: bool = _opt(
-        True,
-        "--resume",
-        "continue from the latest checkpoint in --output; --no-resume starts over and deletes the checkpoints "
-        "in --output once training starts (after the data is listed and the model built)",
-    )
-    allow_data_change: bool = _opt(
-        False,
-        "--allow-data-change",
-        "resume even when the images differ from those of the checkpoint (the interrupted epoch starts over)",
-    )
-    keep_checkpoints: int = _opt(2, "--keep-checkpoints", "how many checkpoints to keep")
-    checkpoint_every: str = _opt(
-        "", "--checkpoint-every", "also checkpoint every N steps or every duration such as 15m (empty: epoch ends)"
-    )
-    deterministic: bool = _opt(False, "--deterministic", "TensorFlow op determinism: bit-identical reruns and resumes")
-    tensorboard: bool = _opt(True, "--tensorboard", "write TensorBoard logs")
-    log_every: str = _opt(
-        "30s", "--log-every", "progress line in a log file every N steps or every duration (empty: epoch ends only)"
-    )
-    log_all_ranks: bool = _opt(False, "--log-all-ranks", "every rank logs, not only rank 0")
-    sample_log: str = _opt("", "--sample-log", "folder where each rank logs the image ids of every step (audits)")
-    track: str = _opt("none", "--track", "mlflow: rank 0 logs the run to MLflow", choices=TRACKERS)
-    track_uri: str = _opt("", "--track-uri", "MLflow tracking URI (default: MLFLOW_TRACKING_URI, else MLflow's own)")
-    track_experiment: str = _opt("hvd_train", "--track-experiment", "MLflow experiment of the run")
-    track_run: str = _opt("", "--track-run", "MLflow run name (default: the --output folder's name)")
-
-
-@dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run needs, in sections."""
 
@@ -463,5 +373,5 @@ class TrainConfig:
         """The configuration as YAML, with no secret in it (an endpoint's user:password is dropped)."""
         values = self.to_dict()
         values["data"]["s3_endpoint"] = redact_url(values["data"]["s3_endpoint"])
-        values["run"]["track_uri"] = redact_url(values["run"]["track_uri"])
+        values["run"]["tracker_uri"] = redact_url(values["run"]["tracker_uri"])
         return yaml.safe_dump(values, sort_keys=False)

@@ -206,9 +206,34 @@ def read_yaml(path: str, kind: str = "config file", check: str = "check --config
     return loaded
 
 
+def renamed_keys(loaded: dict[str, Any], where: str) -> dict[str, Any]:
+    """``loaded`` (sections of options, as a ``--config`` file holds them) with the keys an option had
+    before (``run.track_uri``: its field's ``old_keys``) under its name now (``run.tracker_uri``).
+
+    Raises:
+        UserError: a section gives an option under both names (naming ``where``).
+    """
+    hints = _section_types()
+    renamed = {}
+    for section, body in loaded.items():
+        if section not in hints or not isinstance(body, dict):
+            renamed[section] = body  # what _merge refuses, it names
+            continue
+        now = {old: f.name for f in dataclasses.fields(hints[section]) for old in f.metadata.get("old_keys", ())}
+        renamed[section] = {}
+        for name, value in body.items():
+            if now.get(name) in body:
+                raise UserError(
+                    f"{where}: {section}.{name} is the older name of {section}.{now[name]}, which it gives too; "
+                    f"keep {section}.{now[name]} alone."
+                )
+            renamed[section][now.get(name, name)] = value
+    return renamed
+
+
 def _merge(values: dict[str, dict[str, Any]], loaded: dict[str, Any], path: str) -> None:
     hints = _section_types()
-    for section, body in loaded.items():
+    for section, body in renamed_keys(loaded, f"config file {path}").items():
         if section not in SECTIONS:
             raise UserError(f"config file {path}: unknown section {section!r}; use one of {', '.join(SECTIONS)}.")
         if not isinstance(body, dict):

@@ -35,6 +35,7 @@ from hvd_train.config import sources
 from hvd_train.config.choices import RunConfig, TrainConfig
 from hvd_train.distributed import launchers
 from hvd_train.errors import UserError
+from hvd_train.experiments import tracking
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "halving", "none")
@@ -85,16 +86,13 @@ class Sweep:
     def trial_config(self, params: dict[str, Any], output: str, experiment: str = "") -> dict[str, dict[str, Any]]:
         """The ``train --config`` mapping of one trial: the base, ``params``, and ``output``.
 
-        Tracked (``train.run.track: mlflow``), a sweep is one MLflow experiment
+        Tracked (``train.run.track``), a sweep is one project of its tracker
         (``experiment``, unless the base names one) with a run per trial,
-        named after the trial's folder.
+        named after the trial's folder, where the tracker names them
+        (``tracking.name_trial``).
         """
         values = {section: dict(body) for section, body in self.train.items()}
-        run = values.setdefault("run", {})
-        if run.get("track") == "mlflow":
-            run.setdefault("track_run", os.path.basename(output))
-            if experiment:
-                run.setdefault("track_experiment", experiment)
+        tracking.name_trial(values.setdefault("run", {}), output, experiment)
         for key, value in {**params, "run.output": output}.items():
             section, name = key.split(".", 1)
             values.setdefault(section, {})[name] = value
@@ -146,6 +144,7 @@ def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
     train = loaded.get("train") or {}
     if not isinstance(train, dict) or not all(isinstance(b, dict) for b in train.values()):
         raise fail("`train` must map sections (data, model, optim, run, ...) to their options, as `--config`.")
+    train = sources.renamed_keys(train, f"{where}: train")  # an option's older key under its name now
     if "output" in (train.get("run") or {}):
         raise fail("`train.run.output` is set by the sweep (each trial a folder of its own); remove it.")
     search = loaded.get("search")

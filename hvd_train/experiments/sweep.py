@@ -10,9 +10,9 @@ kept ones is failed at once as surplus (``study.surplus``), so the count
 holds. A process whose trials are all taken waits while others run theirs,
 and takes up any that is handed back.
 
-A tracked sweep (``train.run.track: mlflow``) makes its tracking store and
-experiment ready before any trial (``tracking.prepare``): a store it
-cannot use stops it before any trial starts. A sweep
+A tracked sweep (``train.run.track``) makes ready what its trials' tracker
+shares before any trial (``tracking.prepare``: MLflow's store and
+experiment): a store it cannot use stops it before any trial starts. A sweep
 whose first ``ALIKE_FAILURES`` trials all fail with the same cause (its
 data, its store, its environment: not a trial's options) stops there and
 says that cause, rather than start trial after trial that fails alike.
@@ -32,7 +32,7 @@ import threading
 
 from hvd_train.data.storage import redact_url
 from hvd_train.errors import UserError
-from hvd_train.experiments import pages
+from hvd_train.experiments import pages, tracking
 from hvd_train.experiments import study as studies
 from hvd_train.experiments.spec import Sweep
 from hvd_train.experiments.trial import Outcome, Slot, TrialJob, slots
@@ -126,13 +126,7 @@ class SweepRun:
 
     def _prepare_tracking(self) -> None:
         """A tracked sweep's store and experiment (the study's name, as its trials'), made once before any trial."""
-        run = self.sweep.train.get("run") or {}
-        if run.get("track") != "mlflow":
-            return
-        from hvd_train.experiments import tracking
-
-        uri = tracking.tracking_uri(str(run.get("track_uri") or ""))
-        tracking.prepare(uri, str(run.get("track_experiment") or self.study.study_name))
+        tracking.prepare(self.sweep.train.get("run") or {}, self.study.study_name)
 
     def _stop(self, signum, frame) -> None:
         if not self.stopping.is_set():

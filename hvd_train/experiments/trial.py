@@ -115,7 +115,7 @@ class TrialJob:
     params: dict
     slot: Slot
     stopping: object  # threading.Event: the sweep is stopping
-    experiment: str = ""  # the MLflow experiment of a tracked sweep: the study's name
+    experiment: str = ""  # the tracker's project of a tracked sweep: the study's name
     reported: dict = field(default_factory=dict)  # epoch -> value
 
     def run(self, trial) -> Outcome:

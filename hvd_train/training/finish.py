@@ -130,7 +130,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
                 ctx.size,
             )
         if cfg.run.tensorboard:
-            from hvd_train.experiments.tracking import write_hparams
+            from hvd_train.training.tracking.hparams import write_hparams
 
             write_hparams(cfg, summary)
         if history.tracker is not None:

@@ -154,7 +154,7 @@ class History:
         skipped: every image skipped so far, on every rank alike:
             ``{path: (reason, when)}``, ``when`` being ``check`` (before
             training), ``training`` or ``evaluation``.
-        tracker: rank 0's ``experiments.tracking.Tracker`` (``--track``), if any.
+        tracker: rank 0's ``training.tracking.Tracker`` (``--track``), if any.
     """
 
     epochs: dict[int, dict] = field(default_factory=dict)
@@ -167,7 +167,7 @@ class History:
     input_stats: dict | None = None
     undecodable: set[int] = field(default_factory=set)
     skipped: dict[str, tuple[str, str]] = field(default_factory=dict)
-    tracker: Any = None  # rank 0's MLflow run (--track), not kept in checkpoints
+    tracker: Any = None  # rank 0's tracker (--track), not kept in checkpoints
 
     def metrics_of(self, epoch: int) -> dict:
         """The logs of finished epoch ``epoch`` (0-based), this process's or the resumed checkpoint's."""

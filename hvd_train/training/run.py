@@ -16,7 +16,7 @@ from hvd_train.distributed import elastic
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import early_stop
+from hvd_train.training import early_stop, tracking
 from hvd_train.training.elastic import ElasticTraining
 from hvd_train.training.finish import Outcome, finish
 from hvd_train.training.job import History, Job
@@ -60,9 +60,9 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
         if history is not None and history.tracker is not None:
             history.tracker.stopped()
         raise
-    except BaseException:
+    except BaseException as e:
         if history is not None and history.tracker is not None:
-            history.tracker.failed()
+            history.tracker.failed(e)
         raise
     finally:
         if not stopped:
@@ -70,13 +70,12 @@ def run(cfg: TrainConfig, ctx: Context) -> Outcome:
 
 
 def start_tracking(cfg: TrainConfig, ctx: Context, resumed: bool):
-    """Rank 0's MLflow run (``--track mlflow``), or None; a tracking server that does not answer stops every rank."""
+    """Rank 0's tracker (``--track``), or None; a tracker that cannot be used (a tracking server that does not
+    answer) stops every rank."""
     if cfg.run.track == "none":
         return None
-    from hvd_train.experiments.tracking import Tracker
-
     started = []
-    ctx.on_root(lambda: started.append(Tracker.start(cfg, resumed)), name="tracking")
+    ctx.on_root(lambda: started.append(tracking.start(cfg, resumed)), name="tracking")
     return started[0] if started else None
 
 
