@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any
 
-from hvd_train.data.storage import first_line
+from hvd_train.errors import first_line
 from hvd_train.log import get_logger
 from hvd_train.training.tracking.base import final, flat_config
 

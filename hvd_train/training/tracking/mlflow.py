@@ -30,8 +30,8 @@ import urllib.parse
 from typing import Any
 
 from hvd_train import files
-from hvd_train.data.storage import first_line, redact_url
-from hvd_train.errors import UserError
+from hvd_train.data.storage import redact_url
+from hvd_train.errors import UserError, first_line
 from hvd_train.log import get_logger
 from hvd_train.training.tracking.base import ARTEFACTS, Tracker, final, flat_config, numbers
 
