@@ -69,6 +69,50 @@ def exact(results: dict, rank: int) -> None:
         assert r["read_back"] == 0 and r["resplit"] <= 1e-5, (rank, key)
 
 
+class OneProcess:
+    """A stand-in for ``HeadGroups`` of one rank holding the whole head: each exchange gives back what it got."""
+
+    parallel, shard, peers = 1, 0, None
+
+    def gather(self, tensor, name):
+        return tensor
+
+    scatter_sum = group_sum = broadcast = gather
+
+    def peers_average(self, tensors, name):
+        return list(tensors)
+
+
+def test_the_sharded_heads_maths_through_a_one_process_stand_in_is_kerass_softmax_head():
+    """``head_step`` and ``head_scores`` take their exchanges from the groups object alone: through a stand-in of one
+    process they are a plain softmax head's loss (label smoothing included), gradients and scores."""
+    import numpy as np
+
+    from hvd_train.compat import keras, tf
+    from hvd_train.model.sharded_head import head_scores, head_step
+    from hvd_train.results.evaluation import score_logits
+
+    rng = np.random.default_rng(3)
+    features = tf.constant(rng.normal(size=(6, 4)), tf.float32)
+    labels = tf.constant([0, 3, 2, 2, 1, 0])
+    weights = tf.constant([1.0, 1.0, 0.0, 1.0, 1.0, 1.0])  # a stand-in image weighs nothing
+    kernel = tf.Variable(rng.normal(size=(4, 5)), dtype=tf.float32)
+    bias = tf.Variable(rng.normal(size=5), dtype=tf.float32)
+    loss_fn = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(features)
+        logits = tf.matmul(features, kernel) + bias
+        loss = loss_fn(tf.one_hot(labels, 5), logits, sample_weight=weights)  # a mean over every row
+    step = head_step(features, labels, weights, kernel, bias, first=0, classes=5, groups=OneProcess(), smoothing=0.1)
+    np.testing.assert_allclose(step.loss.numpy(), loss.numpy(), rtol=1e-5)
+    for got, variable in ((step.d_kernel, kernel), (step.d_bias, bias), (step.d_features, features)):
+        np.testing.assert_allclose(got.numpy(), tape.gradient(loss, variable).numpy(), rtol=1e-4, atol=1e-6)
+    assert step.predicted.numpy().tolist() == np.argmax(logits.numpy(), axis=1).tolist()
+    scored = head_scores(features, labels, kernel, bias, first=0, groups=OneProcess(), k=3)
+    for got, want in zip(scored, score_logits(logits, labels, 3)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("np_, layouts", [(2, "2"), (4, "2,4")])
 def test_the_sharded_head_equals_the_data_parallel_head(tmp_path, np_, layouts):
