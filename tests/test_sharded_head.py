@@ -77,7 +77,7 @@ class OneProcess:
     def gather(self, tensor, name):
         return tensor
 
-    scatter_sum = group_sum = broadcast = gather
+    scatter_sum = group_sum = job_sum = broadcast = gather
 
     def peers_average(self, tensors, name):
         return list(tensors)

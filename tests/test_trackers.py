@@ -88,6 +88,9 @@ def test_a_sweep_file_with_the_older_keys_gives_its_trials_the_names_now(tmp_pat
     train["run"]["track_experiment"] = "mine"
     trial = spec.parse({"train": train, "search": {"run.seed": [1]}}).trial_config({}, "t", "study")
     assert trial["run"]["tracker_project"] == "mine" and "track_experiment" not in trial["run"]
+    # A searched option by its older name is searched under its name now.
+    sweep = spec.parse({"train": train, "search": {"run.track_run": ["a", "b"]}})
+    assert list(sweep.search) == ["run.tracker_run"]
 
 
 # --- --track jsonl: the run's events appended to a file, one JSON object a line ------------------
@@ -183,6 +186,10 @@ def test_a_jsonl_file_is_inside_the_output_folder_or_where_an_absolute_path_says
         ("logs/../../events.jsonl", "leaves the output folder"),
         ("link/events.jsonl", "--tracker-uri link/events.jsonl leaves the output folder"),
         ("http://127.0.0.1:5000", "--track jsonl writes a file, and --tracker-uri http://127.0.0.1:5000 is a URI"),
+        # Where the run replaces or prunes its own files, or keeps them hidden (not copied to an S3 --output).
+        ("checkpoints/events.jsonl", "checkpoints/events.jsonl is where the run keeps its own files"),
+        ("tensorboard/hparams/events.jsonl", "is where the run keeps its own files"),
+        ("logs/.events.jsonl", "logs/.events.jsonl is where the run keeps its own files"),
     ):
         with pytest.raises(UserError) as refused:
             tracking.start(jsonl_config(out, uri), resumed=False)

@@ -70,6 +70,9 @@ def add_parser(subparsers) -> None:
         choices=OPTIMIZERS,
         help="the run's optimizer: the head's memory counts the values it keeps per weight",
     )
+    parser.add_argument(
+        "--head-slots", type=int, default=0, help="optimizer values per weight (0: --optimizer's; SGD 1, Adam 2)"
+    )
     parser.add_argument("--json", default="", help="write the plan (or the measured link) to this file")
     parser.set_defaults(run=run)
 
@@ -140,10 +143,11 @@ def _head_layouts(args, setup, workers: list[int]) -> list[dict]:
     if g < 2:
         raise UserError(f"--head-parallel {g}: give the workers of one group, 2 or more (0: no comparison).")
     features = args.head_features or _head_features(args.model, args.classes)
-    head = head_plan.Head(args.classes, features, setup.batch, optimizers.OPTIMIZERS[args.optimizer].slots)
+    slots = args.head_slots or optimizers.OPTIMIZERS[args.optimizer].slots
+    head = head_plan.Head(args.classes, features, setup.batch, slots)
     fusion, cycle = setup.fusion_bytes, setup.cycle_seconds
     print(
-        f"\nthe head, {args.classes:,} classes x {features:,} features: data-parallel against split over groups of "
+        f"\nthe head, {args.classes:,} classes x {features:,} features: data-parallel against sharded over groups of "
         f"{g} (--head-parallel {g}); per worker and step"
     )
     print(f"{'workers':>7} {'layout':>9} {'MB sent':>10} {'comm s':>9} {'head MB':>10}  use")

@@ -126,6 +126,12 @@ class HeadGroups:
 
         return hvd.allreduce(tensor, op=hvd.Sum, process_set=self.group, name=name)
 
+    def job_sum(self, tensor, name: str):
+        """The sum of ``tensor`` over every rank of the job: the same bits on every rank, whatever the group."""
+        import horovod.tensorflow as hvd
+
+        return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
     def peers_average(self, tensors: list, name: str) -> list:
         """Each of ``tensors`` averaged over the ranks that hold this shard in every group (as they are with one)."""
         if self.peers is None:

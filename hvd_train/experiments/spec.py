@@ -150,7 +150,7 @@ def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
     search = loaded.get("search")
     if not isinstance(search, dict) or not search:
         raise fail("`search` must map train options (e.g. optim.base_lr) to their spaces; see docs/experiments.md.")
-    spaces = {str(key): _space(str(key), body, fail) for key, body in search.items()}
+    spaces = {_now(str(key), where): _space(_now(str(key), where), body, fail) for key, body in search.items()}
     values = {k: v for k, v in loaded.items() if k not in ("train", "search", "first")}
     if "direction" not in values:  # a loss is minimized, anything else maximized
         values["direction"] = "minimize" if "loss" in str(values.get("objective", "")) else "maximize"
@@ -160,6 +160,12 @@ def parse(loaded: dict[str, Any], where: str = "the sweep") -> Sweep:
         raise fail(str(e)) from None
     _check(sweep, fail)
     return sweep
+
+
+def _now(key: str, where: str) -> str:
+    """A search key under its option's name now (``run.track_experiment``: ``run.tracker_project``)."""
+    section, _, name = key.partition(".")
+    return f"{section}.{next(iter(sources.renamed_keys({section: {name: None}}, where)[section]))}" if name else key
 
 
 def _space(key: str, body: Any, fail) -> Space:

@@ -120,9 +120,15 @@ class ShardedNet(Net):
 
         def averaged():
             # This shard's gradients averaged over its peers (--clip-value: clipped), with the squares of the
-            # group's shards summed: the whole head's part of the global norm (--clip-norm), alike on every rank.
+            # head's shards summed: the whole head's part of the global norm (--clip-norm).
             grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
-            square = self.head.group_sum(optimizers.square_norm(grads), "head.square") if clip_norm else 0.0
+            # Summed over the job (every group holds the same averaged shards), not the group: one allreduce
+            # gives every rank the same bits, where groups could add their shards in another order.
+            square = (
+                self.head.job_sum(optimizers.square_norm(grads), "head.square") / self.head.layout.groups
+                if clip_norm
+                else 0.0
+            )
             return [*grads, tf.cast(square, tf.float32)]
 
         clip_norm = bool(self._optim.clip_norm)

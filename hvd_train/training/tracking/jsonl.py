@@ -106,11 +106,16 @@ class JsonlTracker(Tracker):
         """One line, in one write to the file opened for appending."""
         record = {"event": event, "time": round(time.time(), 3), "project": self.project, "run": self.run_name}
         line = json.dumps(_finite({**record, **fields}), allow_nan=False, default=str) + "\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             os.write(fd, line.encode("utf-8"))
         finally:
             os.close(fd)
+
+
+# Folders of the output that the run replaces or prunes (checkpoints, TensorBoard's, its HParams'): a file of the
+# user's there would be lost.
+_RUNS_OWN = ("checkpoints", "tensorboard")
 
 
 def file_of(uri: str, output: str) -> str:
@@ -127,6 +132,13 @@ def file_of(uri: str, output: str) -> str:
     path = os.path.realpath(os.path.join(root, uri or DEFAULT_FILE))
     if os.path.commonpath([root, path]) != root or path == root:
         raise _outside(uri, output)
+    parts = os.path.relpath(path, root).split(os.sep)
+    if parts[0] in _RUNS_OWN or any(part.startswith(".") for part in parts):
+        raise UserError(
+            f"--tracker-uri {uri}: {'/'.join(parts)} is where the run keeps its own files (checkpoints/, "
+            "tensorboard/, hidden names), which it replaces and does not copy to an S3 --output; give another "
+            f"path, or leave it out for {DEFAULT_FILE}."
+        )
     return path
 
 
@@ -143,7 +155,7 @@ def _given(uri: str) -> None:
             f"or absolute), or leave it out for {DEFAULT_FILE} in --output."
         )
     if not os.path.isabs(uri) and os.path.normpath(uri or DEFAULT_FILE).split(os.sep)[0] == os.pardir:
-        raise _outside(uri, "--output")
+        raise _outside(uri, "given as --output")
 
 
 def _outside(uri: str, output: str) -> UserError:
