@@ -170,7 +170,7 @@ def test_a_sharded_head_trains_scores_exactly_resumes_in_another_layout_and_save
     train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-data", demo_small, "--output", out, *TINY]
     proc = launch("horovodrun-gloo", 2, [*train, "--head-parallel", "2"])
     assert proc.returncode == 0, output_of(proc)
-    assert "split over groups of 2 workers (1 group(s))" in proc.stderr, output_of(proc)
+    assert "sharded over groups of 2 workers (1 group(s))" in proc.stderr, output_of(proc)
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["val_images"] == 115
     assert summary["weights_identical_across_ranks"] is True  # the backbone: the head is split
@@ -195,7 +195,7 @@ def test_a_sharded_head_trains_scores_exactly_resumes_in_another_layout_and_save
     # Four ranks in two groups of 2 train on.
     proc = launch("horovodrun-gloo", 4, [*train, "--head-parallel", "2", "--epochs", "2"])
     assert proc.returncode == 0, output_of(proc)
-    assert "split over groups of 2 workers (2 group(s))" in proc.stderr and "resuming from" in proc.stderr
+    assert "sharded over groups of 2 workers (2 group(s))" in proc.stderr and "resuming from" in proc.stderr
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 4 and summary["resumed_from"].endswith("epoch-0001")
     report = evaluated(out, demo_small, tmp_path, "second")

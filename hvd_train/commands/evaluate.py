@@ -45,12 +45,12 @@ def run(args: argparse.Namespace) -> int:
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
     args.model_dir, mirror = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3), name="open_run")
-    # A head saved as files is split over the ranks (each holds its columns), whole in one process.
+    # A head saved as files is sharded over the ranks (each holds its columns), whole in one process.
     trained = ctx.agree(lambda: load_trained(args.model_dir, sharded=ctx.size > 1), name="load_model")
     if trained.head is not None and len(trained.classes) < ctx.size:
         raise UserError(
             f"{args.model_dir} has {len(trained.classes)} classes, fewer than the {ctx.size} processes that would "
-            "split its head: evaluate it with fewer processes.",
+            "shard its head: evaluate it with fewer processes.",
             agreed=True,
         )
     images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)

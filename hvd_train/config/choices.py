@@ -304,7 +304,7 @@ class HorovodConfig:
             ``OUTPUT/horovod_timeline.json`` (chrome://tracing, Perfetto).
         hierarchical_allreduce: allreduce within hosts first, then across
             (NCCL and MPI builds, several hosts).
-        head_parallel: split the classification head by class over groups
+        head_parallel: shard the classification head by class over groups
             of this many workers, data-parallel across groups (0: no; -1:
             one group of every worker). See ``model/sharded_head.py``.
         head_save: a sharded head's saved model: ``whole`` (``model.keras``),

@@ -1,4 +1,4 @@
-"""The stages of a run that split its head (``--head-parallel``): its groups, a resume from an unsharded run, and
+"""The stages of a run that shards its head (``--head-parallel``): its groups, a resume from an unsharded run, and
 the saved model's form (``--head-save``)."""
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
         groups.check(parallel, ctx.size, classes)
         if parallel == 1:
             raise UserError(
-                f"--head-parallel {cfg.horovod.head_parallel} shards the head over one worker, which is no split: "
+                f"--head-parallel {cfg.horovod.head_parallel} shards the head over one worker, which shards nothing: "
                 f"drop --head-parallel (this job has {ctx.size} worker(s))."
             )
     except UserError as e:  # every rank finds the same: rank 0 says it
         raise UserError(str(e), agreed=True) from None
     if ctx.is_root:
         log.info(
-            "the head's %d classes split over groups of %d workers (%d group(s)), about %d classes a worker",
+            "the head's %d classes sharded over groups of %d workers (%d group(s)), about %d classes a worker",
             classes,
             parallel,
             ctx.size // parallel,
