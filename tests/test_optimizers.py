@@ -47,23 +47,28 @@ def test_clipping_is_keras_own_arithmetic_and_keeps_what_is_not_finite():
     norm = float(tf.linalg.global_norm(present))
     # --clip-norm: Keras's global norm clipping, the missing gradient kept missing.
     for limit in (norm / 4, norm * 2):
-        got = optimizers.clip(grads, _optim(clip_norm=limit))
+        got, _ = optimizers.clip(grads, _optim(clip_norm=limit))
         want, _ = tf.clip_by_global_norm(present, limit)
         assert got[1] is None
         for g, w in zip([got[0], got[2]], want):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
     # --clip-value, then --clip-norm.
-    got = optimizers.clip(grads, _optim(clip_value=0.5, clip_norm=0.1))
+    got, _ = optimizers.clip(grads, _optim(clip_value=0.5, clip_norm=0.1))
     valued = [tf.clip_by_value(g, -0.5, 0.5) for g in present]
     want, _ = tf.clip_by_global_norm(valued, 0.1)
     for g, w in zip([got[0], got[2]], want):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6)
+    # Gradients held elsewhere (the sharded head's) count in the norm by their squares, and take the factor.
+    got, factor = optimizers.clip([grads[0]], _optim(clip_norm=norm / 4), float(tf.reduce_sum(grads[2] ** 2)))
+    want, _ = tf.clip_by_global_norm(present, norm / 4)
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose((grads[2] * factor).numpy(), want[1].numpy(), rtol=1e-6)
     # An overflow stays one: a loss scale still sees it and skips the step on every rank.
     inf = [tf.constant([np.inf, 1.0, -3.0])]
-    assert not np.isfinite(optimizers.clip(inf, _optim(clip_norm=1.0))[0].numpy()).all()
-    assert optimizers.clip(inf, _optim(clip_value=2.0))[0].numpy().tolist() == [np.inf, 1.0, -2.0]
+    assert not np.isfinite(optimizers.clip(inf, _optim(clip_norm=1.0))[0][0].numpy()).all()
+    assert optimizers.clip(inf, _optim(clip_value=2.0))[0][0].numpy().tolist() == [np.inf, 1.0, -2.0]
     # Off: the gradients as they came.
-    assert optimizers.clip(grads, _optim()) == grads
+    assert optimizers.clip(grads, _optim())[0] == grads
 
 
 @pytest.mark.parametrize("flag", ["clip_norm", "clip_value"])

@@ -57,8 +57,8 @@ class Classifier(keras.Model):
             grads_and_vars = self.optimizer.compute_gradients(loss, variables, tape=tape)
         # --clip-value, --clip-norm: on the averaged, unscaled gradients, the same on every rank.
         if optimizers.clips(self.optim):
-            grads, variables = zip(*grads_and_vars)
-            grads_and_vars = list(zip(optimizers.clip(list(grads), self.optim), variables))
+            grads, kept = zip(*grads_and_vars)
+            grads_and_vars = list(zip(optimizers.clip(list(grads), self.optim)[0], kept))
         if self.head_lr_mult != 1.0:
             head = {v.ref() for v in self.get_layer(HEAD_LAYER).trainable_variables}
             grads_and_vars = [

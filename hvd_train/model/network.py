@@ -93,8 +93,7 @@ class Net:
         self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
         self.model.optim = cfg.optim
         self.precision = precision
-        # Kernels decay; BatchNorm's and LayerNorm's scales and offsets and the biases (rank 1) do not.
-        optimizer = make_optimizer(cfg, not_decayed=[v for v in base.trainable_variables if v.shape.rank <= 1])
+        optimizer = make_optimizer(cfg, base.trainable_variables)
         self.optimizer = wrap_optimizer(optimizer, precision)
         classes = int(base.outputs[0].shape[-1])
         # --mixup / --cutmix: the step mixes each batch, and the loss takes the mixed targets.
@@ -410,10 +409,10 @@ class Net:
         self.model.reset_metrics()
 
 
-def make_optimizer(cfg: TrainConfig, not_decayed=()):
+def make_optimizer(cfg: TrainConfig, variables=()):
     """The run's optimizer (``optimizers.make``) in Horovod's ``DistributedOptimizer``: gradients averaged over
     every rank (``--fp16-allreduce`` compressed; ``--grad-accum``: added up locally, averaged at each update)."""
     wrapped = gradients.distributed_optimizer(
         optimizers.make(cfg.optim), fp16_allreduce=cfg.horovod.fp16_allreduce, grad_accum=cfg.horovod.grad_accum
     )
-    return optimizers.leave_undecayed(wrapped, cfg.optim, not_decayed)
+    return optimizers.leave_undecayed(wrapped, cfg.optim, variables)

@@ -59,29 +59,30 @@ OPTIMIZERS = {
 }
 
 
-def make(o: OptimConfig, learning_rate: float | None = None, *, ema: bool = True, not_decayed=()):
+def make(o: OptimConfig, learning_rate: float | None = None, *, ema: bool = True, variables=()):
     """The Keras optimizer ``o`` names, plain (Horovod's wrapper and a loss scale go around it elsewhere).
 
     The learning rate is a plain variable (``o.base_lr`` unless given): each
     compiled step sets it from the schedule. Weight decay is Keras's
-    decoupled one: each update first shrinks each decayed variable by
-    ``learning rate x weight_decay`` of itself; ``not_decayed`` (norms'
-    scales and offsets, biases) are left alone. ``ema``: keep ``--ema``'s
-    averages (Keras updates them after each update it applies: not after an
-    accumulated pass, nor a step the loss scale skips).
+    decoupled one (``leave_undecayed``: of ``variables``, the kernels alone).
+    ``ema``: keep ``--ema``'s averages (Keras updates them after each update
+    it applies: not after an accumulated pass, nor a step the loss scale skips).
     """
     from hvd_train.compat import keras
 
     averages = {"use_ema": True, "ema_momentum": o.ema} if ema and o.ema else {}
     optimizer = OPTIMIZERS[o.optimizer].build(keras, o.base_lr if learning_rate is None else learning_rate, o, averages)
-    return leave_undecayed(optimizer, o, not_decayed)
+    return leave_undecayed(optimizer, o, variables)
 
 
 def leave_undecayed(optimizer, o: OptimConfig, variables):
-    """``optimizer``, which decays no variable of ``variables``. A wrapper made from an optimizer's
-    configuration (Horovod's) does not keep this: call it on the wrapper."""
-    if o.weight_decay and variables:
-        optimizer.exclude_from_weight_decay(var_list=list(variables))
+    """``optimizer``, which decays no variable of rank 1 among ``variables`` (BatchNorm's and LayerNorm's
+    scales and offsets, biases): each update shrinks every kernel by ``learning rate x weight_decay`` of itself,
+    and nothing else. A wrapper made from an optimizer's configuration (Horovod's) does not keep this: call it
+    on the wrapper."""
+    undecayed = [v for v in variables if v.shape.rank <= 1]
+    if o.weight_decay and undecayed:
+        optimizer.exclude_from_weight_decay(var_list=undecayed)
     return optimizer
 
 
@@ -98,8 +99,7 @@ def clip_values(grads: list, o: OptimConfig) -> list:
         return list(grads)
     v = o.clip_value
     return [
-        None if g is None else tf.where(tf.math.is_finite(g), tf.clip_by_value(g, -v, v), g)
-        for g in (_dense(g) for g in grads)
+        None if g is None else tf.where(tf.math.is_finite(g), tf.clip_by_value(g, -v, v), g) for g in map(_dense, grads)
     ]
 
 
@@ -112,35 +112,22 @@ def square_norm(grads: list):
     )
 
 
-def norm_factor(square, o: OptimConfig):
-    """``--clip-norm``'s factor for gradients whose global squared norm is ``square``: ``c / max(norm, c)``
-    (1 without it; not finite when the norm is not, so a loss scale still skips)."""
+def clip(grads: list, o: OptimConfig, others_square=0.0):
+    """``--clip-value``, then ``--clip-norm`` over the global norm of ``grads`` and of the gradients whose
+    squared norm is ``others_square`` (already value-clipped: the sharded head's). The gradients clipped, and
+    the factor ``c / max(norm, c)`` the others take too (1 without ``--clip-norm``; not finite when the norm
+    is not, so a loss scale still skips the step)."""
     from hvd_train.compat import tf
 
-    if not o.clip_norm:
-        return tf.constant(1.0)
-    norm = tf.sqrt(square)
-    return tf.where(tf.math.is_finite(norm), o.clip_norm / tf.maximum(norm, o.clip_norm), norm)
-
-
-def clip(grads: list, o: OptimConfig) -> list:
-    """``--clip-value``, then ``--clip-norm`` over all of ``grads`` (the whole model's, averaged)."""
-    if not clips(o):
-        return list(grads)
     grads = clip_values(grads, o)
     if not o.clip_norm:
-        return grads
-    factor = norm_factor(square_norm(grads), o)
-    return [None if g is None else g * _cast(factor, g) for g in grads]
+        return grads, tf.constant(1.0)
+    norm = tf.sqrt(others_square + square_norm(grads))
+    factor = tf.where(tf.math.is_finite(norm), o.clip_norm / tf.maximum(norm, o.clip_norm), norm)
+    return [None if g is None else g * tf.cast(factor, g.dtype) for g in grads], factor
 
 
 def _dense(g):
     from hvd_train.compat import tf
 
     return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-
-
-def _cast(factor, g):
-    from hvd_train.compat import tf
-
-    return tf.cast(factor, g.dtype)

@@ -60,7 +60,7 @@ class ShardedNet(Net):
         start_head(self.kernel, self.bias, self.first, classes, seed)
         self._smoothing = cfg.optim.label_smoothing
         self._head_lr_mult = cfg.optim.head_lr_mult
-        self.head_optimizer = optimizers.make(cfg.optim, not_decayed=[self.bias])
+        self.head_optimizer = optimizers.make(cfg.optim, variables=[self.kernel, self.bias])
         self._optim = cfg.optim
         self.head_optimizer.build([self.kernel, self.bias])
         if self._ema:  # --ema: the head's average moves as the backbone's, by the same decay
@@ -137,14 +137,9 @@ class ShardedNet(Net):
         # --head-lr-mult (a step the loss scale skips: its factor is not finite, and nothing is applied).
         factor = tf.constant(1.0)
         if optimizers.clips(self._optim):
-            if grads_and_vars:
-                grads, kept = zip(*grads_and_vars)
-                grads = optimizers.clip_values(list(grads), self._optim)
-                square = head_square + optimizers.square_norm(grads)
-            else:
-                grads, kept, square = [], [], head_square
-            factor = optimizers.norm_factor(square, self._optim)
-            grads_and_vars = [(None if g is None else g * tf.cast(factor, g.dtype), v) for g, v in zip(grads, kept)]
+            grads, kept = zip(*grads_and_vars) if grads_and_vars else ((), ())
+            grads, factor = optimizers.clip(list(grads), self._optim, head_square)
+            grads_and_vars = list(zip(grads, kept))
         if variables:
             optimizer.apply_gradients(grads_and_vars)
         else:

@@ -124,10 +124,8 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     if cfg.run.deterministic:  # the same initial weights, batches and augmentation every time
         keras.utils.set_random_seed(cfg.run.seed)
     model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
-    # The run's optimizer (its weight decay and what it leaves undecayed; no --ema, which changes no step).
-    optimizer = optimizers.make(
-        cfg.optim, start, ema=False, not_decayed=[v for v in model.trainable_variables if v.shape.rank <= 1]
-    )
+    # The run's optimizer (its weight decay, and what it leaves undecayed); no --ema, which changes no step.
+    optimizer = optimizers.make(cfg.optim, start, ema=False, variables=model.trainable_variables)
     head = {v.ref() for v in model.get_layer(HEAD_LAYER).trainable_variables}
     mult = cfg.optim.head_lr_mult
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
@@ -138,7 +136,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
             # Stand-ins for images that cannot be decoded (negative ids) weigh nothing, as in training.
             loss = loss_fn(labels, model(images, training=True), tf.cast(ids >= 0, tf.float32))
         variables = model.trainable_variables
-        grads = optimizers.clip(tape.gradient(loss, variables), cfg.optim)  # --clip-value, --clip-norm
+        grads, _ = optimizers.clip(tape.gradient(loss, variables), cfg.optim)  # --clip-value, --clip-norm
         if mult != 1.0:
             grads = [g * mult if g is not None and v.ref() in head else g for g, v in zip(grads, variables)]
         optimizer.apply_gradients(zip(grads, variables))
