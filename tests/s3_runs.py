@@ -45,11 +45,17 @@ def save(staging, step, model, optimizer, keep=2, epoch=0, best_epoch=-1) -> str
     return checkpoints.save(str(staging), checkpoints.name_for(state), model, optimizer, state, rows, {}, keep)
 
 
+def new_run(url, staging) -> s3_mirror.Mirror:
+    """The mirror of a run that starts in ``url`` with nothing to resume, as a run prepares its output."""
+    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
+    mirror.check()
+    assert mirror.pull() is None
+    return mirror
+
+
 def finished_run(staging, url, model, optimizer) -> dict[str, bytes]:
     """A run trained to its end in ``url``, as a run's outputs stand beside its last checkpoint: its files."""
-    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
-    mirror.check()  # as a run prepares its output
-    assert mirror.pull() is None
+    mirror = new_run(url, staging)
     outputs = {
         "labels.json": b'["a", "b", "c"]\n',
         "run_config.yaml": b"model:\n  name: a-model\n",

@@ -12,7 +12,7 @@ from hvd_train.errors import UserError
 from hvd_train.training import checkpoints, s3_mirror
 from hvd_train.training.run_record import RECORD, OtherWriter
 
-from s3_runs import OPTIONS, finished_run, prefix_checkpoints, save, stored
+from s3_runs import OPTIONS, finished_run, new_run, prefix_checkpoints, save, stored
 from s3proxy import CuttingProxy
 
 
@@ -55,9 +55,7 @@ def test_a_second_writer_of_a_run_stops_the_first_before_it_uploads_or_deletes_a
     url, bucket, client = prefix
     model, optimizer = net
     one, two = tmp_path / "one", tmp_path / "two"
-    first = s3_mirror.Mirror(url, str(one), OPTIONS)
-    first.check()
-    assert first.pull() is None
+    first = new_run(url, one)
     assert first.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=1))
     second = s3_mirror.Mirror(url, str(two), OPTIONS)
     second.check()

@@ -27,6 +27,7 @@ from conftest import HVD_TRAIN, output_of, run
 from s3_runs import (
     OPTIONS,
     finished_run,
+    new_run,
     prefix_checkpoints,
     record_as_the_runs,
     save,
@@ -255,9 +256,7 @@ def test_a_run_deletes_only_what_it_uploaded(prefix, net, tmp_path):
     url, bucket, client = prefix
     model, optimizer = net
     staging = tmp_path / "one"
-    mirror = s3_mirror.Mirror(url, str(staging), OPTIONS)
-    mirror.check()
-    assert mirror.pull() is None
+    mirror = new_run(url, staging)
     (staging / "features.keras").write_bytes(os.urandom(500))  # the model, saved as a head's files first
     assert mirror.push_checkpoint(save(staging, 1, model, optimizer, keep=1))
     # Beside the run, in its prefix: someone's notes, and a folder that only looks like a checkpoint.
@@ -280,9 +279,7 @@ def test_the_best_checkpoint_of_early_stop_survives_a_resume_from_the_prefix(pre
     url, bucket, client = prefix
     model, optimizer = net
     one = tmp_path / "one"
-    mirror = s3_mirror.Mirror(url, str(one), OPTIONS)
-    mirror.check()
-    assert mirror.pull() is None
+    mirror = new_run(url, one)
     for epoch in (1, 2, 3):  # epoch 1 scored best; --keep-checkpoints 1 keeps it beside the newest
         assert mirror.push_checkpoint(save(one, 0, model, optimizer, keep=1, epoch=epoch, best_epoch=0))
     assert prefix_checkpoints(client, bucket) == {"epoch-0001", "epoch-0003"}
