@@ -1,18 +1,21 @@
-"""Keras 2 everywhere: the one place that decides which Keras is imported.
+"""The one place that decides which Keras is imported: ``HVD_TRAIN_KERAS=2`` or ``3``.
 
-TensorFlow >= 2.16 ships Keras 3 as ``keras`` and ``tf.keras``. Horovod
-0.28.1 (its last release) only knows Keras 2: ``horovod.tensorflow.keras``
-imports ``keras`` and fails under Keras 3 with ``module 'keras.backend' has
-no attribute 'constant'``. Keras 2 lives on as the ``tf_keras`` package, so
-before TensorFlow or Horovod is imported we
+TensorFlow >= 2.16 ships Keras 3 as ``keras`` and ``tf.keras``; Keras 2 lives
+on as the ``tf_keras`` package. Horovod 0.28.1 (its last release) only knows
+Keras 2: ``horovod.tensorflow.keras`` imports ``keras`` and fails under Keras
+3, and its optimizer hooks are never called by a Keras 3 optimizer.
 
-* set ``TF_USE_LEGACY_KERAS=1`` so ``tf.keras`` is ``tf_keras``, and
-* make ``import keras`` resolve to ``tf_keras`` for Horovod.
+* ``HVD_TRAIN_KERAS=2`` (tf-keras): before TensorFlow or Horovod is imported,
+  ``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` ``tf_keras``, and ``import
+  keras`` resolves to ``tf_keras`` for Horovod's Keras layer.
+* ``HVD_TRAIN_KERAS=3`` (Keras 3, TensorFlow backend): nothing of Horovod's
+  Keras layer is used, only ``horovod.tensorflow``'s collectives
+  (``distributed.gradients``), with our own step and averaging.
 
 Every module of hvd_train gets Keras and TensorFlow from here (``from
 hvd_train.compat import keras, tf``): so the whole process agrees on one
 Keras, and TensorFlow is first imported here, with its import noise sieved
-out, whichever module needs it first.
+out, whichever module needs it first. ``KERAS_MAJOR`` says which.
 """
 
 import os
@@ -20,7 +23,35 @@ import shutil
 import subprocess
 import sys
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+from hvd_train.errors import UserError
+
+DEFAULT_KERAS = "2"
+"""The Keras a run uses when ``HVD_TRAIN_KERAS`` is not set."""
+
+
+def _chosen_major() -> int:
+    """``HVD_TRAIN_KERAS`` checked (a backend other than TensorFlow is refused in one line), and
+    ``TF_USE_LEGACY_KERAS`` set to agree with it, so that ``tf.keras`` is the same Keras."""
+    chosen = os.environ.get("HVD_TRAIN_KERAS", "").strip() or DEFAULT_KERAS
+    if chosen not in ("2", "3"):
+        raise UserError(f"HVD_TRAIN_KERAS={chosen!r}: use 2 (tf-keras) or 3 (Keras 3 on TensorFlow)")
+    if chosen == "3":
+        backend = os.environ.get("KERAS_BACKEND", "tensorflow").strip()
+        if backend != "tensorflow":
+            raise UserError(
+                f"KERAS_BACKEND={backend}: hvd_train trains with TensorFlow and Horovod; "
+                "unset KERAS_BACKEND or set it to tensorflow"
+            )
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        # HVD_TRAIN_KERAS decides, whatever a parent process of Keras 2 left here: tf.keras is Keras 3 too.
+        os.environ["TF_USE_LEGACY_KERAS"] = "0"
+        return 3
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    return 2
+
+
+KERAS_MAJOR = _chosen_major()
+"""2 (tf-keras) or 3 (Keras 3), from ``HVD_TRAIN_KERAS``."""
 
 VERBOSE = os.environ.get("HVD_TRAIN_VERBOSE", "") not in ("", "0")
 """``HVD_TRAIN_VERBOSE=1`` (or ``--verbose``, which sets it for the ranks a command starts): TensorFlow's lines too."""
@@ -100,8 +131,24 @@ def _import_tensorflow_quietly() -> None:
 _import_tensorflow_quietly()
 
 import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
 
-sys.modules["keras"] = keras
+if KERAS_MAJOR == 3:
+    import keras  # noqa: E402
 
-__all__ = ["keras", "tf"]
+    if not keras.__version__.startswith("3."):
+        raise UserError(
+            f"HVD_TRAIN_KERAS=3, but `import keras` gives Keras {keras.__version__}: "
+            "pip install 'keras>=3.12,<4' (make install does), or use HVD_TRAIN_KERAS=2"
+        )
+else:
+    import tf_keras as keras  # noqa: E402
+
+    sys.modules["keras"] = keras
+
+
+def keras_3() -> bool:
+    """Whether this process runs Keras 3."""
+    return KERAS_MAJOR == 3
+
+
+__all__ = ["KERAS_MAJOR", "keras", "keras_3", "tf"]

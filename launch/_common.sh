@@ -2,12 +2,12 @@
 # shellcheck shell=bash
 
 # Names of the environment variables every worker needs: AWS_* (S3
-# credentials and endpoint), HOROVOD_*, NCCL_*, TF_*, HVD_TRAIN_VERBOSE,
+# credentials and endpoint), HOROVOD_*, NCCL_*, TF_*, HVD_TRAIN_VERBOSE, HVD_TRAIN_KERAS, KERAS_BACKEND,
 # PYTHONPATH, and PATH / LD_LIBRARY_PATH so the workers find the same
 # programs and libraries.
 # Only names are forwarded (mpirun -x NAME): values are never printed.
 forwarded_names() {
-  compgen -e | grep -E '^(AWS_|HOROVOD_|NCCL_|TF_)|^(HVD_TRAIN_VERBOSE|PYTHONPATH|PATH|LD_LIBRARY_PATH)$' | sort
+  compgen -e | grep -E '^(AWS_|HOROVOD_|NCCL_|TF_)|^(HVD_TRAIN_VERBOSE|HVD_TRAIN_KERAS|KERAS_BACKEND|PYTHONPATH|PATH|LD_LIBRARY_PATH)$' | sort
 }
 
 # Prints the command (shell-quoted) on stderr; runs it unless DRY_RUN=1.

@@ -30,7 +30,7 @@
 #                      lists any, else none: the CPU image needs none)
 #   --dry-run          print the docker command instead of running it
 #
-# AWS_*, HOROVOD_*, NCCL_*, TF_* and HVD_TRAIN_VERBOSE set here are passed to
+# AWS_*, HOROVOD_*, NCCL_*, TF_*, HVD_TRAIN_VERBOSE and HVD_TRAIN_KERAS set here are passed to
 # the container by name (docker run -e NAME), never by value. The Docker client is $DOCKER or
 # docker.
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything hvd_train needs on a Debian machine with Python 3.11-3.13:
-# Open MPI, a virtual environment, TensorFlow + tf-keras, mpi4py, Horovod
+# Open MPI, a virtual environment, TensorFlow + tf-keras + Keras 3, mpi4py, Horovod
 # (built from source against that TensorFlow, with Gloo and MPI, NCCL when
 # asked, and patched for TensorFlow >= 2.19 and GCC >= 13: launch/patches/)
 # and hvd_train itself.
@@ -14,7 +14,8 @@
 # Environment:
 #   HVD_TRAIN_TF       the stack: 2.21 (TensorFlow 2.21.0 + tf-keras 2.21.0,
 #                      the default) or 2.18 (2.18.1 + 2.18.0, for clusters
-#                      pinned to it; Python <= 3.12)
+#                      pinned to it; Python <= 3.12); Keras 3.15.1 with either
+#                      (HVD_TRAIN_KERAS=3 runs on it)
 #   HVD_TRAIN_VENV     virtual environment to create/use   (default: ./.venv)
 #   HVD_TRAIN_EXTRAS   extras of hvd_train to install      (default: test)
 #   HVD_TRAIN_GPU      1: TensorFlow with its CUDA libraries (the and-cuda
@@ -50,8 +51,8 @@ python=${PYTHON:-python3}
 # against TensorFlow 2.15-2.18 as released and against 2.19+ with our patch.
 stack=${HVD_TRAIN_TF:-2.21}
 case "$stack" in
-  2.21) TF_VERSION=2.21.0 TF_KERAS_VERSION=2.21.0 ;;
-  2.18) TF_VERSION=2.18.1 TF_KERAS_VERSION=2.18.0 ;;
+  2.21) TF_VERSION=2.21.0 TF_KERAS_VERSION=2.21.0 KERAS_VERSION=3.15.1 ;;
+  2.18) TF_VERSION=2.18.1 TF_KERAS_VERSION=2.18.0 KERAS_VERSION=3.15.1 ;;
   *)
     printf '[install] HVD_TRAIN_TF=%s is not a stack hvd_train is tested on; choose 2.21 (the default) or 2.18\n' "$stack" >&2
     exit 2
@@ -145,12 +146,13 @@ installed() { # name version -> 0 when that exact version is installed in the ve
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 tf_spec="tensorflow==$TF_VERSION"
 [[ "$gpu" == 1 ]] && tf_spec="tensorflow[and-cuda]==$TF_VERSION"
-if installed tensorflow "$TF_VERSION" && installed tf-keras "$TF_KERAS_VERSION" &&
+# Both Kerases: tf-keras (HVD_TRAIN_KERAS=2) and Keras 3 at the release the suite passes on (=3).
+if installed tensorflow "$TF_VERSION" && installed tf-keras "$TF_KERAS_VERSION" && installed keras "$KERAS_VERSION" &&
   { [[ "$gpu" != 1 ]] || [[ -e "$site/nvidia/nccl/lib/libnccl.so.2" ]]; }; then
-  log "pip: $tf_spec and tf-keras $TF_KERAS_VERSION already installed"
+  log "pip: $tf_spec, tf-keras $TF_KERAS_VERSION and keras $KERAS_VERSION already installed"
 else
-  log "pip: installing $tf_spec, tf-keras $TF_KERAS_VERSION"
-  "${pip[@]}" install -q "$tf_spec" "tf-keras==$TF_KERAS_VERSION" \
+  log "pip: installing $tf_spec, tf-keras $TF_KERAS_VERSION, keras $KERAS_VERSION"
+  "${pip[@]}" install -q "$tf_spec" "tf-keras==$TF_KERAS_VERSION" "keras==$KERAS_VERSION" \
     setuptools wheel packaging cloudpickle psutil pyyaml cffi
 fi
 

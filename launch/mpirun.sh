@@ -16,7 +16,8 @@
 #   -h, --help                 this text
 #
 # Forwards by name (-x NAME, values never printed) the environment workers
-# need: AWS_*, HOROVOD_*, NCCL_*, TF_*, HVD_TRAIN_VERBOSE, PYTHONPATH, PATH,
+# need: AWS_*, HOROVOD_*, NCCL_*, TF_*, HVD_TRAIN_VERBOSE, HVD_TRAIN_KERAS,
+# KERAS_BACKEND, PYTHONPATH, PATH,
 # LD_LIBRARY_PATH.
 # HVD_TRAIN selects the program (default: hvd-train on PATH).
 #

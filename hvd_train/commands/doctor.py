@@ -39,11 +39,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--require {unknown[0]!r} is unknown; use any of {', '.join(REQUIREMENTS)}.")
     problems: list[str] = []
 
-    from hvd_train.compat import keras, tf
+    from hvd_train.compat import KERAS_MAJOR, keras, tf
 
     print("versions")
     print(f"  tensorflow  {tf.__version__}")
-    print(f"  keras       {keras.__version__} (tf_keras, Keras 2)")
+    which = "tf_keras, Keras 2" if KERAS_MAJOR == 2 else "Keras 3, TensorFlow backend"
+    print(f"  keras       {keras.__version__} ({which}; HVD_TRAIN_KERAS={KERAS_MAJOR})")
     build = _horovod_build()
     print(f"  horovod     {build.get('version', 'not importable')}")
     print("horovod build")
