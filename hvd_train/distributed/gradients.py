@@ -1,13 +1,23 @@
-"""Data parallelism's arithmetic: the distributed optimizer, and weights made equal on every rank."""
+"""Data parallelism's arithmetic: the distributed optimizer, and weights made equal on every rank.
+
+Under Keras 3 only ``horovod.tensorflow``'s collectives are used: Horovod's
+Keras layer hooks methods a Keras 3 optimizer never calls (its
+``apply_gradients`` would average nothing), so the step averages the
+gradients itself (``allreduce_gradients``), and variables are broadcast and
+averaged through the ``tf.Variable`` each Keras 3 variable holds.
+"""
 
 from __future__ import annotations
 
-from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train import compat  # (the chosen Keras must be in place before Horovod)
 from hvd_train.distributed.context import Context
 
 
 def distributed_optimizer(optimizer, *, fp16_allreduce: bool, grad_accum: int):
-    """Wraps a Keras optimizer so that gradients are averaged over all ranks."""
+    """Wraps a Keras optimizer so that gradients are averaged over all ranks; Keras 3: returns it as it is
+    (the step averages with ``allreduce_gradients``, and accumulates itself)."""
+    if compat.keras_3():  # the step averages and accumulates (``model.classifier``)
+        return optimizer
     import horovod.tensorflow.keras as hvd_keras
 
     from hvd_train.compat import tf
@@ -41,16 +51,46 @@ def broadcast_variables(variables, ctx: Context, root: int = 0) -> None:
         return
     import horovod.tensorflow as hvd
 
-    hvd.broadcast_variables(variables, root_rank=root)
+    if not compat.keras_3():
+        hvd.broadcast_variables(variables, root_rank=root)
+        return
+    # Horovod names each broadcast after its variable, and Keras 3 names variables after layers and
+    # optimizers numbered within the process (a rank that ran lr-find first counts further): the ranks
+    # would wait for broadcasts of different names. Named by place in the list, they meet (named after
+    # Horovod's op, as an elastic job tells a failed collective by it: ``elastic.is_horovod_failure``).
+    from hvd_train.compat import tf
+
+    held = [_tf_variable(v) for v in variables]
+
+    def broadcast():
+        for i, variable in enumerate(held):
+            variable.assign(hvd.broadcast(variable, root_rank=root, name=f"HorovodBroadcast_variable_{i}"))
+
+    tf.function(broadcast, autograph=False)()
+
+
+def _tf_variable(variable):
+    """The ``tf.Variable`` behind ``variable`` (a Keras 3 variable holds one, which its ``value`` would cast
+    inside an autocast scope; a tf-keras one is one)."""
+    return variable._value if compat.keras_3() and hasattr(variable, "_value") else variable
 
 
 def allreduce_gradients(grads, fp16: bool = False) -> list:
     """Averages gradients over all ranks, like ``DistributedOptimizer`` does (for use in a ``tf.function``)."""
     import horovod.tensorflow as hvd
 
+    from hvd_train.compat import tf
+
+    if not hvd.is_initialized():  # a model used outside a job (a notebook, a test): nothing to average with
+        return list(grads)
     compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
     present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    averaged = hvd.grouped_allreduce([g for _, g in present], op=hvd.Average, compression=compression)
+    # Named: Horovod would name it after the first gradient's tensor, which Keras 3 may name otherwise on
+    # another rank (after Horovod's op: see ``broadcast_variables``). Sparse gradients (an embedding's) are
+    # averaged as dense ones.
+    dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for _, g in present]
+    name = "HorovodGroupedAllreduce_gradients"
+    averaged = hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression, name=name)
     out = list(grads)
     for (i, _), value in zip(present, averaged):
         out[i] = value
@@ -63,6 +103,6 @@ def average_variables(variables, ctx: Context, name: str) -> None:
         return
     import horovod.tensorflow as hvd
 
-    averaged = hvd.grouped_allreduce([v.read_value() for v in variables], op=hvd.Average, name=name)
+    averaged = hvd.grouped_allreduce([_tf_variable(v).read_value() for v in variables], op=hvd.Average, name=name)
     for variable, value in zip(variables, averaged):
         variable.assign(value)

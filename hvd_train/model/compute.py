@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from hvd_train.compat import keras
+from hvd_train.compat import keras, keras_3
 
 POLICIES = {"fp32": "float32", "mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
 
@@ -78,9 +78,15 @@ def loss_scale_variables(optimizer) -> list:
     Every rank must hold the same values: they are broadcast and
     checkpointed with the other optimizer state.
     """
-    if not is_loss_scaled(optimizer):
+    if not is_loss_scaled(optimizer) or keras_3():  # Keras 3 keeps them among ``optimizer.variables``
         return []
     return [optimizer._loss_scale.current_loss_scale, optimizer.dynamic_counter]
+
+
+def current_loss_scale(optimizer) -> float:
+    """The dynamic loss scale's value now (under ``mixed_float16``)."""
+    scale = optimizer.dynamic_scale if keras_3() else optimizer.loss_scale
+    return float(scale.numpy())
 
 
 @contextlib.contextmanager

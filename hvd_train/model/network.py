@@ -43,10 +43,10 @@ import contextlib
 
 import numpy as np
 
-from hvd_train.compat import keras, tf
+from hvd_train.compat import keras, keras_3, tf
 from hvd_train.config import TrainConfig
 from hvd_train.distributed import context, gradients
-from hvd_train.model import optimizers
+from hvd_train.model import kerases, optimizers
 from hvd_train.model.classifier import Classifier
 from hvd_train.model.compute import is_loss_scaled, loss_scale_variables, wrap_optimizer
 from hvd_train.model.mixing import Mixer, training_loss
@@ -58,12 +58,9 @@ REPORT_FLAGS = 4
 
 
 def use_step_seeded_dropout() -> None:
-    """Makes Keras layers draw random numbers from ``tf.random.Generator`` objects.
-
-    Must be called before the model is built. ``Net`` resets those generators
-    from ``(seed, rank, step)`` at every step.
-    """
-    keras.backend.experimental.enable_tf_random_generator()
+    """Makes Keras layers draw random numbers from generators ``Net`` resets from ``(seed, rank, step)`` at
+    every step (``kerases.use_step_seeded_dropout``). Must be called before the model is built."""
+    kerases.use_step_seeded_dropout()
 
 
 class Net:
@@ -87,7 +84,7 @@ class Net:
         precision: str = "fp32",
         class_counts: list[int] | None = None,
     ):
-        self.model = Classifier(base.inputs, base.outputs, name=base.name)
+        self.model = Classifier(base.inputs, kerases.outputs_of(base), name=base.name)
         self.model.head_lr_mult = cfg.optim.head_lr_mult
         self.model.xla_jit = cfg.compute.xla == "jit"
         self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
@@ -100,6 +97,8 @@ class Net:
         self._mixer = Mixer(cfg.data.mixup, cfg.data.cutmix, classes) if cfg.data.mixup or cfg.data.cutmix else None
         loss = training_loss(cfg.optim.label_smoothing, classes, soft_targets=self._mixer is not None)
         self.model.compile(optimizer=self.optimizer, loss=loss, metrics=["accuracy"])
+        if keras_3():  # --grad-accum: the step's own (tf-keras: Horovod's DistributedOptimizer)
+            self.model.accumulate(cfg.horovod.grad_accum)
         # --class-weights auto: images / (classes x images of the class), the same for every rank.
         self._class_weights = None
         if cfg.optim.class_weights == "auto" and class_counts:
@@ -125,6 +124,11 @@ class Net:
             self._inner_optimizer().ema_momentum = self._ema_decay
         # Optimizer state and metric sums must exist before they can be restored and broadcast.
         self.optimizer.build(self.model.trainable_variables)
+        if keras_3() and self._ema:
+            # tf-keras starts each average as its variable; Keras 3 at zero, replaced by the variable only at
+            # an update with ``iterations`` 0, which a skipped or accumulated step has counted past.
+            for variable, average in self.averages()[: len(self.model.trainable_variables)]:
+                average.assign(variable)
         self._build_metrics()
         self.seed = seed
         self._decay = cfg.optim.lr_schedule
@@ -134,11 +138,7 @@ class Net:
         self._stand_ins = tf.Variable(
             tf.zeros([0], tf.int64), shape=tf.TensorShape([None]), trainable=False, name="stand_ins"
         )
-        self._generators = [
-            layer._random_generator._generator
-            for layer in self.model.submodules
-            if isinstance(getattr(getattr(layer, "_random_generator", None), "_generator", None), tf.random.Generator)
-        ]
+        self._generators = kerases.step_generators(self.model)
         # Called with each batch's image ids before they reach the allreduce (--sample-log).
         self.audit = None
         # Each call also reports when it started and ended (``tf.timestamp``, which
@@ -254,7 +254,7 @@ class Net:
         else:
             # --steps-per-call 1: the step alone, without a loop's frame around it.
             done = one_step(tf.constant(0))
-        logs = {m.name: m.result() for m in self.model.metrics}
+        logs = kerases.metric_results(self.model)
         report = tf.cast(agreed, tf.float64)
         if self.timestamps:
             # A timestamp touches no variable: only these dependencies order it after the steps.
@@ -274,9 +274,8 @@ class Net:
                 images = tf.identity(images)
         step = tf.cast(self.optimizer.iterations, tf.int64)
         key = self.seed * 1_000_003 + self._rank
-        for i, generator in enumerate(self._generators):
-            # Dropout masks from (seed, rank, step, layer): the same after a resume.
-            generator.reset_from_key_counter(key, tf.stack([step, tf.constant(i, tf.int64)]))
+        # Dropout masks from (seed, rank, step, layer): the same after a resume.
+        kerases.reseed(self._generators, key, step)
         # An image that could not be decoded came as a black stand-in with a negative
         # id (``pipeline``): it weighs nothing, and the loss is still summed over the
         # whole batch, so every other image counts as much as in any other step.
@@ -332,7 +331,7 @@ class Net:
         """Every BatchNorm layer's moving mean and variance."""
         return [
             v
-            for layer in self.model.submodules
+            for layer in kerases.layers(self.model)
             if isinstance(layer, keras.layers.BatchNormalization)
             for v in (layer.moving_mean, layer.moving_variance)
         ]
@@ -347,7 +346,7 @@ class Net:
         pos = 0
         for v in self.local_variables():
             size = int(np.prod(v.shape))
-            v.assign(np.reshape(flat[pos : pos + size], v.shape).astype(v.dtype.as_numpy_dtype))
+            v.assign(np.reshape(flat[pos : pos + size], v.shape).astype(kerases.numpy_dtype(v)))
             pos += size
 
     def _build_metrics(self) -> None:
@@ -369,15 +368,15 @@ class Net:
         """What a checkpoint holds of this rank, by what a user calls it (``non_finite``); the epoch's loss
         sums only where the loss is watched (under a loss scale a step's loss may be nan, its update skipped)."""
         statistics = self.batchnorm_statistics() + self._statistic_averages
-        theirs = {v.ref() for v in statistics}
+        theirs = {kerases.key(v) for v in statistics}
         groups = {
-            "weights": [v for v in self.model.variables if v.ref() not in theirs],
+            "weights": [v for v in self.model.variables if kerases.key(v) not in theirs],
             "BatchNorm statistics": statistics,
             "optimizer values": list(self.optimizer.variables) + loss_scale_variables(self.optimizer),
         }
         if not is_loss_scaled(self.optimizer):
             groups["epoch's loss sums"] = self.metric_variables()
-        return {name: [v for v in group if v.dtype.is_floating] for name, group in groups.items()}
+        return {name: [v for v in group if tf.as_dtype(v.dtype).is_floating] for name, group in groups.items()}
 
     def non_finite(self) -> list[str]:
         """The groups of ``value_groups`` that hold a value that is not finite (one compiled check)."""
@@ -403,7 +402,7 @@ class Net:
 
     def metric_results(self) -> dict[str, float]:
         """The epoch's running metrics of this rank (loss, accuracy)."""
-        return {m.name: float(m.result()) for m in self.model.metrics}
+        return {name: float(value) for name, value in kerases.metric_results(self.model).items()}
 
     def reset_metrics(self) -> None:
         self.model.reset_metrics()

@@ -80,7 +80,7 @@ def leave_undecayed(optimizer, o: OptimConfig, variables):
     scales and offsets, biases): each update shrinks every kernel by ``learning rate x weight_decay`` of itself,
     and nothing else. A wrapper made from an optimizer's configuration (Horovod's) does not keep this: call it
     on the wrapper."""
-    undecayed = [v for v in variables if v.shape.rank <= 1]
+    undecayed = [v for v in variables if len(v.shape) <= 1]
     if o.weight_decay and undecayed:
         optimizer.exclude_from_weight_decay(var_list=undecayed)
     return optimizer

@@ -167,7 +167,7 @@ class ShardedNet(Net):
         """``Net.value_groups``, with this rank's shard of the head and its optimizer's values."""
         groups = super().value_groups()
         groups["weights"] += [self.kernel, self.bias]
-        groups["optimizer values"] += [v for v in self.head_optimizer.variables if v.dtype.is_floating]
+        groups["optimizer values"] += [v for v in self.head_optimizer.variables if tf.as_dtype(v.dtype).is_floating]
         return groups
 
     # --- the head in checkpoints and the saved model -------------------------

@@ -115,7 +115,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     from hvd_train.compat import keras, tf
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
-    from hvd_train.model import optimizers
+    from hvd_train.model import kerases, optimizers
     from hvd_train.model.catalogue import HEAD_LAYER, build_model
 
     cfg = job.cfg
@@ -126,7 +126,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
     # The run's optimizer (its weight decay, and what it leaves undecayed); no --ema, which changes no step.
     optimizer = optimizers.make(cfg.optim, start, ema=False, variables=model.trainable_variables)
-    head = {v.ref() for v in model.get_layer(HEAD_LAYER).trainable_variables}
+    head = {kerases.key(v) for v in model.get_layer(HEAD_LAYER).trainable_variables}
     mult = cfg.optim.head_lr_mult
     loss_fn = keras.losses.SparseCategoricalCrossentropy()
 
@@ -138,7 +138,7 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
         variables = model.trainable_variables
         grads, _ = optimizers.clip(tape.gradient(loss, variables), cfg.optim)  # --clip-value, --clip-norm
         if mult != 1.0:
-            grads = [g * mult if g is not None and v.ref() in head else g for g, v in zip(grads, variables)]
+            grads = [g * mult if g is not None and kerases.key(v) in head else g for g, v in zip(grads, variables)]
         optimizer.apply_gradients(zip(grads, variables))
         return loss
 
