@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train import compat  # (the chosen Keras must be in place before Horovod)
 from hvd_train.distributed import cpus, launchers
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
@@ -61,6 +61,20 @@ def check_launch(elastic: bool) -> None:
         )
 
 
+def refuse_mixed_kerases(majors: list[int]) -> None:
+    """Refuses (on every rank that calls it with the gathered ``majors``) a job whose ranks run different
+    Kerases: they name and order their variables otherwise, so a broadcast or an allreduce would pair the
+    wrong ones."""
+    if len(set(majors)) > 1:
+        ranks = {major: [r for r, m in enumerate(majors) if m == major] for major in sorted(set(majors))}
+        shown = "; ".join(f"Keras {major} on rank(s) {', '.join(map(str, r[:8]))}" for major, r in ranks.items())
+        raise UserError(
+            f"the ranks of this job run different Kerases ({shown}): give every rank the same HVD_TRAIN_KERAS "
+            f"(mpirun -x HVD_TRAIN_KERAS; launch/ scripts forward it)",
+            agreed=True,
+        )
+
+
 def init(threads_per_rank: int = 0, deterministic: bool = False, process_sets: bool = False) -> Context:
     """Initialises Horovod and TensorFlow for this process.
 
@@ -105,6 +119,9 @@ def init(threads_per_rank: int = 0, deterministic: bool = False, process_sets: b
         hvd.init(process_sets="dynamic" if process_sets else None)
     ctx = Context(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
     ctx.cpu = cpus.budget(ctx.local_size, threads_per_rank)
+    if ctx.size > 1 and not launchers.elastic_job():
+        # An elastic worker that joins must start no collective of its own: the elastic sync checks it.
+        refuse_mixed_kerases(ctx.allgather_object(compat.KERAS_MAJOR, name="keras_major"))
 
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train.compat import keras, tf
+from hvd_train.compat import KERAS_MAJOR, keras, tf
 from hvd_train.config import ModelConfig, own_model
 from hvd_train.errors import UserError, first_line
 from hvd_train.model import own
@@ -48,6 +48,16 @@ _DEFAULT_SIZES = {
     "ResNetRS350": 288,
     "ResNetRS420": 320,
 }
+
+# keras.applications models tf-keras has and Keras 3 dropped (Keras 3.15 has the other 40, none new).
+KERAS_2_ONLY = tuple(
+    [
+        f"RegNet{kind}{size}"
+        for kind in "XY"
+        for size in ("002", "004", "006", "008", "016", "032", "040", "064", "080", "120", "160", "320")
+    ]
+    + [f"ResNetRS{depth}" for depth in (50, 101, 152, 200, 270, 350, 420)]
+)
 
 # BatchNormalization momentum for backbones trained from scratch: the Keras
 # applications use 0.99-0.999, whose moving averages trail the weights by
@@ -166,6 +176,12 @@ def get_spec(name: str) -> ModelSpec:
     by_name = {fold(n): n for n in specs}
     if key in by_name:
         return specs[by_name[key]]
+    dropped = {fold(n): n for n in KERAS_2_ONLY if n not in specs}
+    if key in dropped:
+        raise UserError(
+            f"--model {dropped[key]} is one of Keras 2's applications that Keras {KERAS_MAJOR} dropped: run it with "
+            f"HVD_TRAIN_KERAS=2 (tf-keras), or pick another (`hvd-train models`)"
+        )
     # Keras' module names: keras.applications.mobilenet_v2 holds MobileNetV2 only,
     # keras.applications.resnet holds ResNet50, ResNet101 and ResNet152.
     by_module: dict[str, list[str]] = {}
@@ -253,6 +269,13 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
     for layer in backbone.layers:
         if isinstance(layer, keras.layers.BatchNormalization) and momentum:
             layer.momentum = momentum
+    if mode == "inference" and KERAS_MAJOR == 3:
+        # Keras 3 passes the outer call's ``training`` to every layer, over the ``training=False`` given below:
+        # its way to keep a BatchNormalization on its moving statistics is to make it not trainable (its scale
+        # and offset then stay as loaded; tf-keras trains them).
+        for layer in backbone.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.trainable = False
     if cfg.freeze_backbone:
         backbone.trainable = False
     elif cfg.trainable_layers:

@@ -1,6 +1,6 @@
 """A backbone of your own: ``--model FILE.py:FUNCTION`` or ``--model PACKAGE.MODULE:FUNCTION``.
 
-``FUNCTION(input_shape)`` returns a Keras 2 (``tf_keras``) model from a batch
+``FUNCTION(input_shape)`` returns a model of the run's Keras (``import keras`` gives it) from a batch
 of preprocessed images to feature maps ``(batch, height, width, channels)``,
 without a classification head: the run puts the same head on it as on a
 Keras applications backbone. Its module's ``preprocess_input``, if it has one,
@@ -64,7 +64,7 @@ def _module_of_file(path: str):
 
 def constructor(name: str, builder: Callable) -> Callable:
     """``builder`` called as a Keras applications constructor is (``include_top``, ``weights``, ``input_shape``)."""
-    from hvd_train.compat import keras
+    from hvd_train.compat import KERAS_MAJOR, keras
 
     def build(include_top: bool = False, weights=None, input_shape=None):
         if weights == "imagenet":
@@ -83,7 +83,8 @@ def constructor(name: str, builder: Callable) -> Callable:
         if not isinstance(model, keras.Model) or len(model.output_shape) != 4:
             got = f"output {model.output_shape}" if isinstance(model, keras.Model) else type(model).__name__
             raise UserError(
-                f"--model {name} must return a tf_keras (Keras 2) Model whose output is feature maps "
+                f"--model {name} must return a Keras {KERAS_MAJOR} Model (HVD_TRAIN_KERAS={KERAS_MAJOR}: "
+                f"`import keras` in its file gives that Keras) whose output is feature maps "
                 f"(batch, height, width, channels); it returned {got}."
             )
         if weights:

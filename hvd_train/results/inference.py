@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from hvd_train.compat import keras
+from hvd_train.compat import KERAS_MAJOR, keras
 from hvd_train.errors import UserError, first_line
 from hvd_train.files import read_json, sha256
 from hvd_train.model import sharded_files
@@ -78,6 +78,7 @@ def load_trained(model_dir: str, sharded: bool = False) -> Trained:
         classes = json.load(f)
     with open(paths[CONFIG], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
+    _check_keras_major(paths[names[0]])
     try:
         model = keras.models.load_model(paths[names[0]], compile=False)
     except Exception as e:  # a truncated or foreign file; Keras raises many types
@@ -103,6 +104,28 @@ def load_trained(model_dir: str, sharded: bool = False) -> Trained:
         alpha_background=str(run_config["data"].get("alpha_background", "white")),
         head=head,
     )
+
+
+def saved_keras_major(path: str) -> int | None:
+    """The Keras major that wrote the ``.keras`` file at ``path`` (its ``metadata.json``); None if unreadable."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            version = str(json.loads(archive.read("metadata.json")).get("keras_version", ""))
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        return None
+    return int(version.split(".")[0]) if version.split(".")[0].isdigit() else None
+
+
+def _check_keras_major(path: str) -> None:
+    """Refuses a ``.keras`` file of the other Keras major in one line (``.keras`` files do not cross majors)."""
+    written = saved_keras_major(path)
+    if written is not None and written != KERAS_MAJOR:
+        raise UserError(
+            f"{path} was saved by Keras {written}, and this process runs Keras {KERAS_MAJOR} (.keras files do not "
+            f"load across Keras majors): run with HVD_TRAIN_KERAS={written}"
+        )
 
 
 def whole_model(features, folder: str, classes: int):

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from hvd_train.compat import KERAS_MAJOR
 from hvd_train.config import parse_every
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
@@ -183,6 +184,8 @@ class Boundary:
             "metrics": self.history.metrics_of(state.epoch - 1),
             "data": self.job.data_identity(),
             "reason": reason,
+            # The Keras that wrote it (HVD_TRAIN_KERAS): the other names the variables otherwise.
+            "keras": KERAS_MAJOR,
             # --ema: whether the optimizer's state holds moving averages of the weights.
             "ema": self.cfg.optim.ema,
             # What summary.json lists as skipped, so that a resumed run lists it too.

@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
+from hvd_train.compat import KERAS_MAJOR
 from hvd_train.config import TrainConfig
-from hvd_train.distributed import elastic, gradients
+from hvd_train.distributed import elastic, gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
@@ -118,7 +119,11 @@ class ElasticTraining(elastic.ElasticSession):
     def sync(self) -> None:
         ctx = self.ctx
         # Horovod: the most advanced rank, an old worker, is the source of truth.
-        progress = ctx.allgather_object(self.state.images_seen if self.state is not None else -1, name="progress")
+        # With each rank's Keras: a worker that joined on another is refused on every rank.
+        seen = self.state.images_seen if self.state is not None else -1
+        gathered = ctx.allgather_object((seen, KERAS_MAJOR), name="progress")
+        start.refuse_mixed_kerases([major for _, major in gathered])
+        progress = [images for images, _ in gathered]
         root = int(np.argmax(progress))
         if progress[root] < 0:
             return  # nobody has started: the body sets the run up together

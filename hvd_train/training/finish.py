@@ -25,7 +25,7 @@ from hvd_train.distributed import cpus, start
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
-from hvd_train.model import compute
+from hvd_train.model import compute, kerases
 from hvd_train.model.catalogue import build_model
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import features_view, stage_head
@@ -162,14 +162,14 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
         name = FEATURES
         sharded_stages.remove_other_form(cfg.run.output, form)
         sharded_stages.move_head_files(head, cfg.run.output)
-        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        export = keras.Model(net.model.inputs, kerases.outputs_of(net.model), name=net.model.name)
         if job.precision != "fp32":
             export = compute.float32_copy(net.model, lambda: features_view(build()))
     elif head is not None:
         with compute.float32_policy():
             export = net.full_model(build, head)
     elif job.precision == "fp32":
-        export = keras.Model(net.model.inputs, net.model.outputs, name=net.model.name)
+        export = keras.Model(net.model.inputs, kerases.outputs_of(net.model), name=net.model.name)
     else:
         # The saved model computes in float32: inference never meets float16.
         export = compute.float32_copy(

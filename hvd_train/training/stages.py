@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 
-from hvd_train.compat import keras
+from hvd_train.compat import KERAS_MAJOR, keras
 from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
@@ -74,6 +74,12 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
 
 def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     """The checked training and held-out images, the same on every rank."""
+    if cfg.horovod.head_parallel and KERAS_MAJOR == 3:
+        raise UserError(
+            f"--head-parallel {cfg.horovod.head_parallel} (the class-sharded head) runs on Keras 2 only so far: "
+            "run it with HVD_TRAIN_KERAS=2, or without --head-parallel",
+            agreed=True,
+        )
     threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
     if cfg.run.early_stop and val_set is None:
@@ -342,13 +348,21 @@ def recipe_options(cfg: TrainConfig) -> list[str]:
 
 
 def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
-    """Refuses a resume whose ``--seed`` or ``--grad-accum`` differs from the checkpoint's (rank 0).
+    """Refuses a resume whose Keras, ``--seed`` or ``--grad-accum`` differs from the checkpoint's (rank 0).
 
     The rest of the interrupted epoch is dealt by the checkpoint's seed, in
     whole updates of its accumulation: a new value would mix two data orders,
     or resume an update half accumulated under another count.
     """
     cfg = job.cfg
+    # A checkpoint of before the Keras was recorded is Keras 2's.
+    written = found.info.get("keras", 2)
+    if str(written) != str(KERAS_MAJOR):
+        raise UserError(
+            f"checkpoint {found.path} was written under Keras {written}, and this run is Keras {KERAS_MAJOR} "
+            f"(whose variables are named otherwise): resume with HVD_TRAIN_KERAS={written}, or pass --no-resume "
+            f"to start over"
+        )
     options = (("seed", found.state.seed, cfg.run.seed), ("grad-accum", found.state.accum, cfg.horovod.grad_accum))
     differ = [f"--{flag} {then} then, {now} now" for flag, then, now in options if then != now]
     if differ:

@@ -37,7 +37,10 @@ def versions() -> dict[str, str]:
     from importlib import metadata
 
     found = {}
-    for name in ("hvd_train", "tensorflow", "tf-keras", "tf2onnx", "onnx", "onnxruntime", "ai-edge-litert"):
+    from hvd_train.compat import KERAS_MAJOR
+
+    keras = "tf-keras" if KERAS_MAJOR == 2 else "keras"
+    for name in ("hvd_train", "tensorflow", keras, "tf2onnx", "onnx", "onnxruntime", "ai-edge-litert"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -31,7 +31,9 @@ def write_tflite(trained: Trained, quantize: str, calibration: np.ndarray | None
     # its variables, not the Keras model (``variables_of``).
     model, size = fixed_size_model(trained), trained.image_size
     spec = tf.TensorSpec([None, size, size, 3], tf.uint8, name="image")
-    serve = tf.function(lambda image: {"probabilities": model(image)}, input_signature=[spec], autograph=False)
+    serve = tf.function(
+        lambda image: {"probabilities": model(image, training=False)}, input_signature=[spec], autograph=False
+    )
     converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()], variables_of(model))
     if quantize == "float16":
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -52,7 +54,11 @@ def write_onnx(trained: Trained, quantize: str, calibration: np.ndarray | None, 
     size = trained.image_size
     spec = (tf.TensorSpec([None, size, size, 3], tf.uint8, name="image"),)
     plain = path if quantize == "none" else path + ".fp32"
-    tf2onnx.convert.from_keras(fixed_size_model(trained), input_signature=spec, opset=ONNX_OPSET, output_path=plain)
+    # A traced function, not ``from_keras`` (which reads tf-keras' internals and fails under Keras 3,
+    # tensorflow-onnx#2348): the same graph on both Kerases.
+    model = fixed_size_model(trained)
+    serve = tf.function(lambda image: {"probabilities": model(image, training=False)}, autograph=False)
+    tf2onnx.convert.from_function(serve, input_signature=spec, opset=ONNX_OPSET, output_path=plain)
     if quantize == "float16":
         import onnx
         from onnxruntime.transformers.float16 import convert_float_to_float16

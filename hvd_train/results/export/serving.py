@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvd_train.compat import keras, tf
+from hvd_train.compat import keras, keras_3, tf
 from hvd_train.results.inference import Trained
 
 
@@ -15,7 +15,9 @@ def variables_of(model) -> tf.Module:
     layer's call for Keras's own loader, which serving never uses: most of an export's time.
     """
     holder = tf.Module()
-    holder.weights = list(model.variables)
+    # Keras 3's variables each hold a ``tf.Variable``, which the traced functions capture: the module holds
+    # those (holding the Keras ones, TFLite's converter froze no values into the file: it computed NaN).
+    holder.weights = [getattr(v, "_value", v) if keras_3() else v for v in model.variables]
     return holder
 
 
