@@ -4,6 +4,8 @@ VENV ?= .venv
 export HVD_TRAIN_VENV := $(abspath $(VENV))
 BIN := $(HVD_TRAIN_VENV)/bin
 PYTEST_ARGS ?=
+# The other Keras (the suite runs on the default one): it runs the tests marked both_kerases again.
+OTHER_KERAS ?= 3
 
 .PHONY: install demo test test-docker test-fast gpu-image lint clean
 
@@ -23,6 +25,8 @@ test: install
 	$(BIN)/shellcheck -x $(SHELL_SCRIPTS)
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	HVD_TRAIN_KERAS=$(OTHER_KERAS) $(BIN)/python -m pytest -n auto --dist loadfile --no-loadscope-reorder \
+		-m both_kerases $(PYTEST_ARGS)
 
 # The Docker image, built from this checkout and run (root; installs docker.io).
 # `make test` runs these too where HVD_TRAIN_REQUIRE has docker (CI).

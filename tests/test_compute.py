@@ -37,6 +37,7 @@ def few(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("few"), {"a": 10, "b": 10, "c": 10})
 
 
+@pytest.mark.both_kerases
 @pytest.mark.parametrize("precision", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.multiprocess
 def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, few, tmp_path):
@@ -66,6 +67,7 @@ def test_mixed_precision_trains_resumes_and_saves_a_float32_model(precision, few
     assert proc.returncode == 0 and read_json(tmp_path / "eval.json")["images"] == 30, output_of(proc)
 
 
+@pytest.mark.both_kerases
 @pytest.mark.multiprocess
 def test_an_inf_on_one_rank_lowers_the_loss_scale_and_every_rank_skips_that_step(tmp_path):
     proc = launch("horovodrun-gloo", 2, [sys.executable, LAUNCHED / "loss_scale_check.py", tmp_path])
@@ -83,6 +85,7 @@ def test_an_inf_on_one_rank_lowers_the_loss_scale_and_every_rank_skips_that_step
     assert all(s["diverged"] == 0 for s in ranks[0])
 
 
+@pytest.mark.both_kerases
 @pytest.mark.multiprocess
 def test_xla_jit_trains_with_identical_weights(demo_small, tmp_path):
     proc = train(demo_small, tmp_path / "run", tmp_path / "dump", "--xla", "jit", epochs=1)

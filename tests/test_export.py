@@ -115,6 +115,7 @@ def exported(exports):
     return folder, proc
 
 
+@pytest.mark.both_kerases
 def test_every_format_answers_as_predict_does(colour_run, exported, colours, tmp_path):
     folder, proc = exported
     manifest = read_json(folder / "manifest.json")

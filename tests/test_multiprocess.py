@@ -100,10 +100,12 @@ def check_identical_and_exact(out, dump, proc, global_batch=16):
     assert re.search(r"rank 0/2 dumped \d+ arrays", both) and re.search(r"rank 1/2 dumped \d+ arrays", both)
 
 
+@pytest.mark.both_kerases
 def test_horovodrun_gloo(gloo_run):
     check_identical_and_exact(gloo_run.out, gloo_run.dump, gloo_run.proc)
 
 
+@pytest.mark.both_kerases
 def test_base_lr_auto_is_found_once_and_shared(gloo_run):
     both = gloo_run.proc.stdout + gloo_run.proc.stderr
     assert both.count("the learning-rate range test runs on rank 0") == 1
@@ -128,6 +130,7 @@ def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
     assert (optim["clip_norm"], optim["clip_value"]) == ((0.5, 0.1) if "--clip-norm" in extra else (0.0, 0.0))
 
 
+@pytest.mark.both_kerases
 def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):
     out = gloo_run.out
     two = launch(
@@ -186,6 +189,7 @@ def metrics(out):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.both_kerases
 def test_resume_continues_at_the_right_epoch_and_learning_rate_and_keeps_the_base_lr_found(gloo_run, tmp_path):
     # gloo_run stopped after 2 of the 3 epochs of its warmup (GLOO_OPTIONS); a copy goes on to the third.
     resumed = shutil.copytree(gloo_run.out, tmp_path / "resumed")

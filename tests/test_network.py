@@ -5,6 +5,8 @@ from hvd_train.compat import keras
 from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.classifier import Classifier
 
+pytestmark = pytest.mark.both_kerases
+
 
 def one_step_deltas(mult):
     keras.utils.set_random_seed(0)
@@ -14,10 +16,15 @@ def one_step_deltas(mult):
     model = Classifier(inputs, outputs)
     model.head_lr_mult = mult
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
-    before = {w.name: w.numpy().copy() for w in model.trainable_weights}
+    before = {name_of(w): w.numpy().copy() for w in model.trainable_weights}
     x = np.random.default_rng(1).normal(size=(8, 6)).astype("float32")
     model.train_on_batch(x, np.arange(8) % 3)
-    return {w.name: w.numpy() - before[w.name] for w in model.trainable_weights}
+    return {name_of(w): w.numpy() - before[name_of(w)] for w in model.trainable_weights}
+
+
+def name_of(weight) -> str:
+    """``predictions/kernel``: Keras 3's path, tf-keras' name (Keras 3's name is the last part alone)."""
+    return getattr(weight, "path", weight.name)
 
 
 def test_head_lr_mult_scales_only_the_head_update():

@@ -286,6 +286,7 @@ def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how,
     check_a_rerun_resumes_from(out, checkpoint, epoch, step)
 
 
+@pytest.mark.both_kerases
 @pytest.mark.multiprocess
 def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_falls_back_and_it_ends_bit_identical(
     demo_small, tmp_path

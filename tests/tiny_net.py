@@ -6,7 +6,7 @@ fraction of MobileNet's time (a one-epoch run of one process: about 10
 CPU-seconds against 17), in every process of the suite.
 """
 
-import tf_keras as keras
+import keras  # the run's Keras: tf_keras under HVD_TRAIN_KERAS=2 (hvd_train makes `keras` it), Keras 3 under 3
 
 
 def backbone(input_shape):

@@ -70,7 +70,7 @@ def run(step):
         "step": step,
         # Ranks whose loss of the epoch was not finite before this step: none, under a loss scale.
         "diverged": float(report.numpy()[3]),
-        "loss_scale": float(net.optimizer.loss_scale.numpy()),
+        "loss_scale": compute.current_loss_scale(net.optimizer),
         "changed": digest() != before,
         "digest": digest(),
         "iterations": int(net.optimizer.iterations.numpy()),
