@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hvd_train import files
 from hvd_train.commands._common import positive_int
@@ -100,5 +101,6 @@ def run(args: argparse.Namespace) -> int:
     if ctx.is_root:
         bench.print_result(result)
         if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)  # its folder, if new
             files.write_json(args.json, result)
     return 0
