@@ -203,7 +203,6 @@ def test_losing_rank_0_rolls_back_and_the_survivors_go_on_with_every_output_on_t
     assert moved and all(r["rank"] == 0 for r in moved)
 
 
-@pytest.mark.both_kerases
 def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
     write_hosts(hostfile, "localhost:1\n")
