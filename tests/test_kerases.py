@@ -55,9 +55,6 @@ def test_the_switch_refuses_what_it_cannot_run_in_one_line(tmp_path):
     dropped = hvd_train(["train", "--data", "x", "--output", "y", "--model", "resnet_rs50"], "3")
     assert dropped.returncode == 2, output_of(dropped)
     assert "--model ResNetRS50 is one of Keras 2's applications that Keras 3 dropped" in dropped.stderr
-    sharded = hvd_train(["train", "--data", tmp_path / "d", "--output", tmp_path / "o", "--head-parallel", "2"], "3")
-    assert sharded.returncode == 2, output_of(sharded)
-    assert "--head-parallel 2 (the class-sharded head) runs on Keras 2 only so far" in sharded.stderr
 
 
 @pytest.mark.multiprocess

@@ -80,6 +80,13 @@ def metric_results(model) -> dict:
     return {m.name: m.result() for m in model.metrics}
 
 
+def metric_objects(model) -> dict:
+    """The model's metrics by name (``loss``, ``accuracy``), as the objects that hold them."""
+    if keras_3():
+        return {"loss": model._loss_tracker, **{m.name: m for m in model._compile_metrics.metrics}}
+    return {m.name: m for m in model.metrics}
+
+
 def update_loss_metric(model, loss, images) -> None:
     """Keras 3: adds a batch's loss to the epoch's (tf-keras' ``compute_loss`` does it itself)."""
     if keras_3():

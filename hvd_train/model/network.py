@@ -124,11 +124,8 @@ class Net:
             self._inner_optimizer().ema_momentum = self._ema_decay
         # Optimizer state and metric sums must exist before they can be restored and broadcast.
         self.optimizer.build(self.model.trainable_variables)
-        if keras_3() and self._ema:
-            # tf-keras starts each average as its variable; Keras 3 at zero, replaced by the variable only at
-            # an update with ``iterations`` 0, which a skipped or accumulated step has counted past.
-            for variable, average in self.averages()[: len(self.model.trainable_variables)]:
-                average.assign(variable)
+        if self._ema:
+            start_averages(self._inner_optimizer(), self.model.trainable_variables)
         self._build_metrics()
         self.seed = seed
         self._decay = cfg.optim.lr_schedule
@@ -406,6 +403,15 @@ class Net:
 
     def reset_metrics(self) -> None:
         self.model.reset_metrics()
+
+
+def start_averages(optimizer, variables) -> None:
+    """``--ema``: each of ``optimizer``'s averages starts as its variable, as tf-keras starts them. Keras 3 starts
+    them at zero, replaced by the variable only at an update with ``iterations`` 0, which a skipped or accumulated
+    step has counted past."""
+    if keras_3():
+        for variable, average in zip(variables, optimizer._model_variables_moving_average, strict=True):
+            average.assign(variable)
 
 
 def make_optimizer(cfg: TrainConfig, variables=()):

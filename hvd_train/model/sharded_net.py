@@ -18,14 +18,16 @@ import os
 
 import numpy as np
 
-from hvd_train.compat import keras, tf
+from hvd_train.compat import keras, keras_3, tf
 from hvd_train.config import TrainConfig
+from hvd_train.distributed import gradients
 from hvd_train.distributed.groups import HeadGroups, shard_range
-from hvd_train.model import optimizers, sharded_files
+from hvd_train.model import kerases, optimizers, sharded_files
 from hvd_train.model.catalogue import HEAD_LAYER
+from hvd_train.model.classifier import Accumulation
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.head_start import start_head
-from hvd_train.model.network import Net
+from hvd_train.model.network import Net, start_averages
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average
 
 
@@ -65,11 +67,17 @@ class ShardedNet(Net):
         self.head_optimizer.build([self.kernel, self.bias])
         if self._ema:  # --ema: the head's average moves as the backbone's, by the same decay
             self.head_optimizer.ema_momentum = self._ema_decay
+            start_averages(self.head_optimizer, [self.kernel, self.bias])
         # --grad-accum: the head's gradients added up over the passes of an update (whole at checkpoints).
         self._accum = cfg.horovod.grad_accum
-        sums = [] if self._accum == 1 else [self.kernel, self.bias]
+        sums = [] if self._accum == 1 or keras_3() else [self.kernel, self.bias]
         self._sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in sums]
         self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="head_passes")
+        # Keras 3: the step's own accumulation, of the backbone's gradients and the head's together.
+        self._accumulation = None
+        if keras_3() and self._accum > 1:
+            variables = [*self.model.trainable_variables, self.kernel, self.bias]
+            self._accumulation = Accumulation(variables, self._accum, self.optimizer)
 
     def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
         """``Net.averages``, then the head shard's kernel and bias with their averages (``--ema``)."""
@@ -82,6 +90,8 @@ class ShardedNet(Net):
         return [self.optimizer.learning_rate, self.head_optimizer.learning_rate]
 
     def _update(self, images, labels, weights, targets) -> None:
+        if keras_3():
+            return self._keras3_update(images, labels, weights)
         optimizer, variables = self.optimizer, self.model.trainable_variables
         before = optimizer.iterations.read_value()
         with tf.GradientTape() as tape:
@@ -158,10 +168,87 @@ class ShardedNet(Net):
             return tf.constant(True)
 
         tf.cond(applies, apply_head, lambda: tf.constant(False))
-        metrics = {m.name: m for m in self.model.metrics}
+        self._update_metrics(step, labels, weights)
+
+    def _update_metrics(self, step, labels, weights) -> None:
+        metrics = kerases.metric_objects(self.model)
         metrics["loss"].update_state(step.loss)
         correct = tf.cast(tf.equal(step.predicted, tf.cast(labels, tf.int32)), tf.float32)
         keras.metrics.Mean.update_state(metrics["accuracy"], correct, sample_weight=weights)
+
+    def _keras3_update(self, images, labels, weights) -> None:
+        """Keras 3: as ``_update``, without Horovod's Keras layer (``Classifier._keras3_step``): the backbone's
+        gradients of the loss scaled, the head's and theirs added up locally over ``--grad-accum``'s passes, then
+        one update (``_keras3_apply``)."""
+        variables = self.model.trainable_variables
+        scaled = is_loss_scaled(self.optimizer)
+        with tf.GradientTape() as tape:
+            features = self.model(images, training=True)
+            with tape.stop_recording():
+                step = head_step(
+                    features,
+                    labels,
+                    weights,
+                    self.kernel,
+                    self.bias,
+                    first=self.first,
+                    classes=self.classes,
+                    groups=self.head,
+                    smoothing=self._smoothing,
+                )
+            handed = tf.reduce_sum(tf.cast(features, tf.float32) * step.d_features)
+            if scaled:
+                handed = self.optimizer.scale_loss(handed)
+        grads = [*(tape.gradient(handed, variables) if variables else []), step.d_kernel, step.d_bias]
+        if self._accumulation is not None:
+            self._accumulation.add(grads, lambda sums: self._keras3_apply(sums, variables, scaled))
+        else:
+            self._keras3_apply(grads, variables, scaled)
+        self._update_metrics(step, labels, weights)
+
+    def _keras3_apply(self, grads, variables, scaled: bool) -> None:
+        """Keras 3: one update from ``grads`` (the backbone's, loss-scaled, then the head shard's kernel and
+        bias; sums of ``--grad-accum``'s passes): averaged, clipped over the whole model, applied."""
+        optimizer, passes = self.optimizer, self._accum
+        before = tf.identity(optimizer.iterations.value)
+        backbone, head = list(grads[: len(variables)]), [g / passes for g in grads[len(variables) :]]
+        backbone = gradients.allreduce_gradients(backbone, fp16=self.model.fp16_allreduce)
+        if passes > 1:
+            backbone = [None if g is None else g / passes for g in backbone]
+        # A step the loss scale skips (every rank sees the same averages) skips the head too.
+        applies = optimizer.check_finite(backbone) if scaled and variables else tf.constant(True)
+        clip_norm = bool(self._optim.clip_norm)
+
+        def averaged():
+            grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
+            square = (
+                self.head.job_sum(optimizers.square_norm(grads), "head.square") / self.head.layout.groups
+                if clip_norm
+                else 0.0
+            )
+            return [*grads, tf.cast(square, tf.float32)]
+
+        *head, head_square = tf.cond(applies, averaged, lambda: [*head, tf.constant(0.0)])
+        factor = tf.constant(1.0)
+        if optimizers.clips(self._optim):
+            # The loss scale is a power of 2: dividing by it and multiplying again is exact.
+            scale = optimizer.dynamic_scale if scaled else None
+            unscaled = backbone if scale is None else [None if g is None else g / scale for g in backbone]
+            unscaled, factor = optimizers.clip(unscaled, self._optim, head_square)
+            backbone = unscaled if scale is None else [None if g is None else g * scale for g in unscaled]
+        if variables:
+            optimizer.apply(backbone, variables)
+            if scaled:  # a skipped step counted in ``iterations``, as tf-keras counts it
+                optimizer.iterations.assign_add(tf.cast(tf.logical_not(applies), optimizer.iterations.dtype))
+        else:
+            optimizer.iterations.assign_add(1)  # --freeze-backbone with no head norm: the passes still counted
+
+        def apply_head():
+            self.head_optimizer.iterations.assign(before)
+            self.head_optimizer.apply([g * factor * self._head_lr_mult for g in head], [self.kernel, self.bias])
+            return tf.constant(True)
+
+        tf.cond(applies, apply_head, lambda: tf.constant(False))
 
     def value_groups(self) -> dict[str, list[tf.Variable]]:
         """``Net.value_groups``, with this rank's shard of the head and its optimizer's values."""
@@ -225,9 +312,11 @@ def head_arrays(kernel, bias, optimizer) -> dict[str, tf.Variable]:
     """The head's variables by file name (``sharded_files``): kernel, bias, then ``optimizer``'s values for each
     (``slot-m-predictions-kernel``: the same names for the sharded head's optimizer and a whole model's)."""
     arrays = {"kernel": kernel, "bias": bias}
+    # tf-keras names a slot ``m/predictions/kernel``, Keras 3 ``predictions_kernel_momentum``.
+    theirs = (f"{HEAD_LAYER}_kernel_", f"{HEAD_LAYER}_bias_")
     for variable in optimizer.variables:
         name = variable.name.split(":")[0]
-        if name.endswith((f"/{HEAD_LAYER}/kernel", f"/{HEAD_LAYER}/bias")):
+        if name.startswith(theirs) if keras_3() else name.endswith((f"/{HEAD_LAYER}/kernel", f"/{HEAD_LAYER}/bias")):
             arrays["slot-" + name.replace("/", "-")] = variable
     return arrays
 

@@ -74,12 +74,6 @@ def prepare_output(cfg: TrainConfig, ctx: Context) -> None:
 
 def load_data(cfg: TrainConfig, ctx: Context) -> Job:
     """The checked training and held-out images, the same on every rank."""
-    if cfg.horovod.head_parallel and KERAS_MAJOR == 3:
-        raise UserError(
-            f"--head-parallel {cfg.horovod.head_parallel} (the class-sharded head) runs on Keras 2 only so far: "
-            "run it with HVD_TRAIN_KERAS=2, or without --head-parallel",
-            agreed=True,
-        )
     threads = start.cpu_threads(ctx, cfg.horovod.threads_per_rank)
     train_set, val_set = training_sets(cfg.data, cfg.run.seed, ctx, threads)
     if cfg.run.early_stop and val_set is None:
