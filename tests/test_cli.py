@@ -165,7 +165,7 @@ def refused(tmp_path_factory):
     (bad / "a" / "broken.jpg").write_bytes(b"")
     broken = write_images(folders["broken in training"] / "d", {"a": 4, "b": 4})
     png_with_a_corrupt_middle(broken / "b" / "middle.png")
-    weights = folders["weights"] / "resnet.h5"
+    weights = folders["weights"] / "resnet.weights.h5"
     keras.applications.ResNet50(include_top=False, weights=None, input_shape=(32, 32, 3)).save_weights(weights)
     write_images(folders["weights"] / "d", {"a": 3, "b": 3})
     commands = [[*HVD_TRAIN, *REFUSED[name](folders[name])] for name in REFUSED]
@@ -185,7 +185,7 @@ REFUSED = {
     "elastic": lambda f: _train(f, "--elastic"),
     "bad image": lambda f: _train(f, *TINY, "--on-bad-image", "fail"),
     "broken in training": lambda f: _train(f, *TINY, "--val-split", "0", "--on-bad-image", "fail"),
-    "weights": lambda f: _train(f, *TINY_APP, "--weights", f / "resnet.h5"),
+    "weights": lambda f: _train(f, *TINY_APP, "--weights", f / "resnet.weights.h5"),
     "evaluate": lambda f: ["evaluate", "--model-dir", f, "--data", f],
     "lr-find in s3": lambda f: ["lr-find", "--data", f / "d", "--output", "s3://b/runs/x"],
     "sweep in s3": lambda f: ["sweep", f / "sweep.yaml", "--output", "s3://b/runs/x"],
@@ -279,7 +279,7 @@ def test_an_image_met_broken_in_training_with_fail_policy_stops_with_its_name(re
 
 def test_weights_that_do_not_fit(refused):
     folder, proc = refused["weights"]
-    assert_one_line_error(proc, f"weights file {folder / 'resnet.h5'} does not fit MobileNet")
+    assert_one_line_error(proc, f"weights file {folder / 'resnet.weights.h5'} does not fit MobileNet")
 
 
 def test_evaluate_needs_a_finished_run(refused):
