@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hvd_train.distributed.start import ELASTIC_GLOO_TIMEOUT
 from hvd_train.model.schedules import WarmupSchedule
 
 from conftest import BIN, TINY, kill_group, output_of, read_json, start
@@ -25,8 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 TRAIN_IMAGES = 90  # demo_small: 23 x 5 images, 20% held out
 
 
-def launch(hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeout=30, cooldown=None, seen=None):
-    """Starts the elastic job; ``seen``: a file made once horovodrun has run the discovery script."""
+def launch(
+    hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeout=30, cooldown=None, seen=None, program=None
+):
+    """Starts the elastic job; ``seen``: a file made once horovodrun has run the discovery script; ``program``: what
+    each worker runs (hvd-train)."""
     discover = f"bash {REPO / 'launch/discover-hosts.sh'} {hostfile}" + (f" && touch {seen}" if seen else "")
     command = [
         "bash",
@@ -61,7 +65,7 @@ def launch(hostfile, samples, out, np_, min_np, max_np, *extra, epochs=6, timeou
         *extra,
     ]
     # launch/horovodrun.sh runs the horovodrun it finds on PATH, as a user's shell would.
-    return start(command, HVD_TRAIN=str(BIN / "hvd-train"), PATH=f"{BIN}:{os.environ['PATH']}")
+    return start(command, HVD_TRAIN=str(program or BIN / "hvd-train"), PATH=f"{BIN}:{os.environ['PATH']}")
 
 
 def records(samples):
@@ -203,16 +207,24 @@ def test_losing_rank_0_rolls_back_and_the_survivors_go_on_with_every_output_on_t
     assert moved and all(r["rank"] == 0 for r in moved)
 
 
+@pytest.mark.both_kerases
 def test_a_worker_added_mid_run_gets_the_state_and_joins(demo_small, tmp_path):
     hostfile, samples, out = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run"
     write_hosts(hostfile, "localhost:1\n")
+    # The added worker starts late, as one on a new node does (TensorFlow's import from a slow disk, a busy host):
+    # longer than the Gloo timeout of an elastic job's collectives. The first worker, reset at its next commit,
+    # waits for it at the rendezvous.
+    late = tmp_path / "late-worker"
+    delay = f'[ "$HOROVOD_HOSTNAME" = 127.0.0.1 ] && sleep {2 * ELASTIC_GLOO_TIMEOUT}'
+    late.write_text(f'#!/bin/sh\n{delay}\nexec {BIN / "hvd-train"} "$@"\n')
+    late.chmod(0o755)
     # One worker: 12 steps an epoch. The new worker joins at the next commit after discovery sees
     # it (the first worker waits there while it starts), in epoch 2 or after: 6 epochs, as 3 could
     # end (in 2 s) before discovery's next look.
     # With the recipe options whose state is more than the weights: the joining worker must get the
     # averaged weights (--ema) and the best epoch (--early-stop) too, and mix and augment as the others do.
     recipe = ["--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0", "--early-stop", "9", "--augment", "randaugment"]
-    proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, *recipe, epochs=6)
+    proc = launch(hostfile, samples, out, 1, 1, 2, "--data", demo_small, *recipe, epochs=6, program=late)
     wait_until(proc, lambda: len(records(samples)) >= 15, "step 15")
     write_hosts(hostfile, "localhost:1\n127.0.0.1:1\n")
     proc = finish(proc)

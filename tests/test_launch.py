@@ -396,6 +396,32 @@ def test_plain_horovodrun_ends_a_stop_with_75_alone(status):
         assert "Exit code: 3" in proc.stderr, output_of(proc)
 
 
+SECOND_SIGNAL = """
+import os, signal, time
+from horovod.runner.gloo_run import register_shutdown_event
+
+event = register_shutdown_event()
+os.kill(os.getpid(), signal.SIGTERM)  # the first: its handler sets the event
+time.sleep(0.1)
+with event._cond:  # as a handler holds the event's lock, in this thread
+    os.kill(os.getpid(), signal.SIGTERM)  # the second comes: its handler runs here, now
+    time.sleep(0.1)
+print("returned", event.is_set())
+"""
+
+
+def test_horovodrun_lives_through_a_second_signal_during_the_first():
+    # Our patch of Horovod: horovodrun's handler of SIGTERM and SIGINT sets an event, which takes its lock; a
+    # second signal while the first handler held it ran the handler again in the same thread, which waited for
+    # that lock for ever (horovodrun hung after its ranks had ended: seen as a stopped sweep's trial whose folder
+    # stayed locked). The real handler, the real signals, at that moment.
+    try:
+        proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the second signal's handler waited for ever for the lock the first one held")
+    assert proc.returncode == 0 and proc.stdout.split() == ["returned", "True"], output_of(proc)
+
+
 @pytest.mark.parametrize(
     "env, one",
     [

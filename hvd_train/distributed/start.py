@@ -12,6 +12,9 @@ from hvd_train.errors import UserError
 
 # Seconds a rank of an elastic job waits on a silent peer before it counts as lost.
 ELASTIC_GLOO_TIMEOUT = 5
+# Seconds the ranks of an elastic job wait at a rendezvous for a worker that joins (our Horovod patch): its start,
+# TensorFlow's import among it, takes longer than a collective should wait.
+ELASTIC_RENDEZVOUS_TIMEOUT = 120
 
 # Set by MPI launchers (Open MPI, MPICH/PMI, PMIx) in every process they start.
 _MPI_VARS = launchers.variables("started_by", lambda entry: entry.mpi)
@@ -106,6 +109,7 @@ def init(threads_per_rank: int = 0, deterministic: bool = False, process_sets: b
         # Gloo's default is 30 s. Every collective cycles in milliseconds, so
         # only a worker that is really gone is waited for this long.
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(ELASTIC_GLOO_TIMEOUT))
+        os.environ.setdefault("HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS", str(ELASTIC_RENDEZVOUS_TIMEOUT))
     if one_process_job():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", ONE_PROCESS_CYCLE_MS)
     import horovod.tensorflow as hvd
