@@ -58,15 +58,16 @@ def reseed(generators: list, key, step) -> None:
 
     tf-keras: a Philox generator's key and counter. Keras 3: a ``SeedGenerator``'s state ``[seed, counter]``
     (each draw uses it, then adds 1 to the counter), both of which its TensorFlow ops take modulo 2**31 - 2:
-    the seed is the step, the counter ``key`` (the run's seed and the rank) modulo 2**15 in its high bits and
-    the generator's place below, with room for ``65536 // generators`` draws of a layer in one step (256 for
-    up to 256 generators). No two (rank, step, layer) of a run below 2**31 steps and 32,768 ranks share one.
+    the seed is the step, the counter ``key`` (the run's seed and the rank) modulo 32,767 in its high bits and
+    the generator's place below (at most 2**31 - 65,537: no value wraps), with room for ``65536 // generators``
+    draws of a layer in one step (256 for up to 256 generators). No two (rank, step, layer) of a run below 2**31
+    steps and 32,767 ranks share one.
     """
     count = len(generators)
     stride = max(1, 65_536 // max(count, 1))
     for i, generator in enumerate(generators):
         if keras_3():
-            counter = tf.math.floormod(tf.cast(key, tf.int64), 32_768) * 65_536 + i * stride
+            counter = tf.math.floormod(tf.cast(key, tf.int64), 32_767) * 65_536 + i * stride
             state = tf.stack([tf.cast(step, tf.int64), counter])
             generator.state.assign(tf.cast(state, generator.state.dtype))
         else:
