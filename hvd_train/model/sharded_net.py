@@ -73,7 +73,9 @@ class ShardedNet(Net):
         sums = [] if self._accum == 1 or keras_3() else [self.kernel, self.bias]
         self._sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in sums]
         self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="head_passes")
-        # Keras 3: the step's own accumulation, of the backbone's gradients and the head's together.
+        # Keras 3: the step's own accumulation, of the backbone's gradients and the head's together (not the
+        # backbone's alone, which ``Net`` gave the model's own step: its sums are let go).
+        object.__setattr__(self.model, "_accumulation", None)
         self._accumulation = None
         if keras_3() and self._accum > 1:
             variables = [*self.model.trainable_variables, self.kernel, self.bias]
