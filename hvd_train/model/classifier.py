@@ -122,11 +122,7 @@ class Classifier(keras.Model):
         if passes > 1:
             grads = [None if g is None else g / passes for g in grads]
         if optimizers.clips(self.optim):
-            # The loss scale is a power of 2: dividing by it and multiplying again is exact.
-            scale = self.optimizer.dynamic_scale if scaled else None
-            unscaled = grads if scale is None else [None if g is None else g / scale for g in grads]
-            grads = optimizers.clip(unscaled, self.optim)[0]
-            grads = grads if scale is None else [None if g is None else g * scale for g in grads]
+            grads = clip_unscaled(grads, self.optim, self.optimizer, scaled)[0]
         grads = self._head_multiplied(list(grads), variables)
         if scaled:
             finite = self.optimizer.check_finite(grads)
@@ -149,6 +145,16 @@ class Classifier(keras.Model):
                 scaled = self.optimizer.scale_loss(loss) if keras_3() else self.optimizer.get_scaled_loss(loss)
         grads = tape.gradient(scaled, self.trainable_variables)
         return (grads, probs, loss) if keras_3() else (grads, probs)
+
+
+def clip_unscaled(grads: list, optim: OptimConfig, optimizer, scaled: bool, others_square=0.0):
+    """Keras 3: ``optimizers.clip`` of loss-scaled ``grads`` on their unscaled values, scaled again for the
+    optimizer's ``apply`` (which unscales them itself). The loss scale is a power of 2: dividing by it and
+    multiplying again is exact."""
+    scale = optimizer.dynamic_scale if scaled else None
+    unscaled = grads if scale is None else [None if g is None else g / scale for g in grads]
+    clipped, factor = optimizers.clip(unscaled, optim, others_square)
+    return (clipped if scale is None else [None if g is None else g * scale for g in clipped]), factor
 
 
 class Accumulation:

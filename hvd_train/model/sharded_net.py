@@ -24,7 +24,7 @@ from hvd_train.distributed import gradients
 from hvd_train.distributed.groups import HeadGroups, shard_range
 from hvd_train.model import kerases, optimizers, sharded_files
 from hvd_train.model.catalogue import HEAD_LAYER
-from hvd_train.model.classifier import Accumulation
+from hvd_train.model.classifier import Accumulation, clip_unscaled
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, start_averages
@@ -97,22 +97,7 @@ class ShardedNet(Net):
         optimizer, variables = self.optimizer, self.model.trainable_variables
         before = optimizer.iterations.read_value()
         with tf.GradientTape() as tape:
-            features = self.model(images, training=True)
-            with tape.stop_recording():
-                step = head_step(
-                    features,
-                    labels,
-                    weights,
-                    self.kernel,
-                    self.bias,
-                    first=self.first,
-                    classes=self.classes,
-                    groups=self.head,
-                    smoothing=self._smoothing,
-                )
-            # The loss reaches the backbone through its features: this sum has the loss's gradient for every
-            # backbone variable (the features' gradient held constant), taken in float32 as the head's loss.
-            handed = tf.reduce_sum(tf.cast(features, tf.float32) * step.d_features)
+            step, handed = self._head_pass(tape, images, labels, weights)
         # Horovod's DistributedOptimizer, as the data-parallel step: the gradients averaged over every rank
         # (--fp16-allreduce compressed; --grad-accum: added up locally, averaged at each update); under a
         # loss scale, the sum scaled (in float32), then the gradients unscaled.
@@ -129,22 +114,7 @@ class ShardedNet(Net):
             self._passes.assign_add(1)
             applies = tf.equal(self._passes % self._accum, 0)
             head = [total / self._accum for total in self._sums]
-
-        def averaged():
-            # This shard's gradients averaged over its peers (--clip-value: clipped), with the squares of the
-            # head's shards summed: the whole head's part of the global norm (--clip-norm).
-            grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
-            # Summed over the job (every group holds the same averaged shards), not the group: one allreduce
-            # gives every rank the same bits, where groups could add their shards in another order.
-            square = (
-                self.head.job_sum(optimizers.square_norm(grads), "head.square") / self.head.layout.groups
-                if clip_norm
-                else 0.0
-            )
-            return [*grads, tf.cast(square, tf.float32)]
-
-        clip_norm = bool(self._optim.clip_norm)
-        *head, head_square = tf.cond(applies, averaged, lambda: [*head, tf.constant(0.0)])
+        head, head_square = self._averaged_head(head, applies)
         # --clip-value, --clip-norm: on the averaged, unscaled gradients of the whole model, before
         # --head-lr-mult (a step the loss scale skips: its factor is not finite, and nothing is applied).
         factor = tf.constant(1.0)
@@ -159,10 +129,56 @@ class ShardedNet(Net):
             # optimizer still counts the passes, as Horovod's counts them (the step of the schedule,
             # dropout's keys, the head's Adam correction).
             optimizer.iterations.assign_add(1)
+        self._apply_head(head, factor, before, applies)
+        self._update_metrics(step, labels, weights)
+
+    def _head_pass(self, tape, images, labels, weights):
+        """The forward pass on ``tape`` and the sharded head's step (``head_step``) off it: the step, and the sum
+        by which the loss reaches the backbone through its features."""
+        features = self.model(images, training=True)
+        with tape.stop_recording():
+            step = head_step(
+                features,
+                labels,
+                weights,
+                self.kernel,
+                self.bias,
+                first=self.first,
+                classes=self.classes,
+                groups=self.head,
+                smoothing=self._smoothing,
+            )
+        # This sum has the loss's gradient for every backbone variable (the features' gradient held constant),
+        # taken in float32 as the head's loss.
+        return step, tf.reduce_sum(tf.cast(features, tf.float32) * step.d_features)
+
+    def _averaged_head(self, head: list, applies):
+        """Where the step ``applies``: this shard's gradients ``head`` averaged over its peers (--clip-value:
+        clipped), and the squares of the head's shards summed: the whole head's part of the global norm
+        (--clip-norm; 0 without). Elsewhere ``head`` as it is, and 0."""
+        clip_norm = bool(self._optim.clip_norm)
+
+        def averaged():
+            grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
+            # Summed over the job (every group holds the same averaged shards), not the group: one allreduce
+            # gives every rank the same bits, where groups could add their shards in another order.
+            square = (
+                self.head.job_sum(optimizers.square_norm(grads), "head.square") / self.head.layout.groups
+                if clip_norm
+                else 0.0
+            )
+            return [*grads, tf.cast(square, tf.float32)]
+
+        *head, square = tf.cond(applies, averaged, lambda: [*head, tf.constant(0.0)])
+        return head, square
+
+    def _apply_head(self, head: list, factor, before, applies) -> None:
+        """Where the step ``applies``: the head's averaged gradients, times the clip ``factor`` and
+        --head-lr-mult, applied by its optimizer at the backbone's count ``before`` (Adam's bias correction:
+        the data-parallel step's one optimizer); tf-keras' --grad-accum sums emptied."""
 
         def apply_head():
             grads = [g * factor * self._head_lr_mult for g in head]
-            # The head's optimizer counts as the backbone's (Adam's bias correction): DP's one optimizer.
             self.head_optimizer.iterations.assign(before)
             self.head_optimizer.apply_gradients(zip(grads, [self.kernel, self.bias]))
             for total in self._sums:
@@ -170,7 +186,6 @@ class ShardedNet(Net):
             return tf.constant(True)
 
         tf.cond(applies, apply_head, lambda: tf.constant(False))
-        self._update_metrics(step, labels, weights)
 
     def _update_metrics(self, step, labels, weights) -> None:
         metrics = kerases.metric_objects(self.model)
@@ -185,20 +200,7 @@ class ShardedNet(Net):
         variables = self.model.trainable_variables
         scaled = is_loss_scaled(self.optimizer)
         with tf.GradientTape() as tape:
-            features = self.model(images, training=True)
-            with tape.stop_recording():
-                step = head_step(
-                    features,
-                    labels,
-                    weights,
-                    self.kernel,
-                    self.bias,
-                    first=self.first,
-                    classes=self.classes,
-                    groups=self.head,
-                    smoothing=self._smoothing,
-                )
-            handed = tf.reduce_sum(tf.cast(features, tf.float32) * step.d_features)
+            step, handed = self._head_pass(tape, images, labels, weights)
             if scaled:
                 handed = self.optimizer.scale_loss(handed)
         grads = [*(tape.gradient(handed, variables) if variables else []), step.d_kernel, step.d_bias]
@@ -219,25 +221,10 @@ class ShardedNet(Net):
             backbone = [None if g is None else g / passes for g in backbone]
         # A step the loss scale skips (every rank sees the same averages) skips the head too.
         applies = optimizer.check_finite(backbone) if scaled and variables else tf.constant(True)
-        clip_norm = bool(self._optim.clip_norm)
-
-        def averaged():
-            grads = optimizers.clip_values(peers_average(head, self.head), self._optim)
-            square = (
-                self.head.job_sum(optimizers.square_norm(grads), "head.square") / self.head.layout.groups
-                if clip_norm
-                else 0.0
-            )
-            return [*grads, tf.cast(square, tf.float32)]
-
-        *head, head_square = tf.cond(applies, averaged, lambda: [*head, tf.constant(0.0)])
+        head, head_square = self._averaged_head(head, applies)
         factor = tf.constant(1.0)
         if optimizers.clips(self._optim):
-            # The loss scale is a power of 2: dividing by it and multiplying again is exact.
-            scale = optimizer.dynamic_scale if scaled else None
-            unscaled = backbone if scale is None else [None if g is None else g / scale for g in backbone]
-            unscaled, factor = optimizers.clip(unscaled, self._optim, head_square)
-            backbone = unscaled if scale is None else [None if g is None else g * scale for g in unscaled]
+            backbone, factor = clip_unscaled(backbone, self._optim, optimizer, scaled, head_square)
         if variables:
             optimizer.apply(backbone, variables)
             if scaled:  # a skipped step counted in ``iterations``, as tf-keras counts it
@@ -245,12 +232,7 @@ class ShardedNet(Net):
         else:
             optimizer.iterations.assign_add(1)  # --freeze-backbone with no head norm: the passes still counted
 
-        def apply_head():
-            self.head_optimizer.iterations.assign(before)
-            self.head_optimizer.apply([g * factor * self._head_lr_mult for g in head], [self.kernel, self.bias])
-            return tf.constant(True)
-
-        tf.cond(applies, apply_head, lambda: tf.constant(False))
+        self._apply_head(head, factor, before, applies)
 
     def value_groups(self) -> dict[str, list[tf.Variable]]:
         """``Net.value_groups``, with this rank's shard of the head and its optimizer's values."""
