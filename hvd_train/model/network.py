@@ -85,6 +85,7 @@ class Net:
         class_counts: list[int] | None = None,
     ):
         self.model = Classifier(base.inputs, kerases.outputs_of(base), name=base.name)
+        kerases.fuse_batch_norm(self.model)
         self.model.head_lr_mult = cfg.optim.head_lr_mult
         self.model.xla_jit = cfg.compute.xla == "jit"
         self.model.fp16_allreduce = cfg.horovod.fp16_allreduce
