@@ -305,7 +305,7 @@ def test_a_sharded_head_is_saved_whole_when_rank_0_has_the_room_and_as_files_whe
 # of the group, or not, trains other weights.
 RECIPE = [
     *("--label-smoothing", "0.1", "--grad-accum", "2", "--ema", "0.9", "--deterministic"),
-    *("--base-lr", "0.5", "--clip-norm", "0.1", "--clip-value", "0.02"),
+    *("--base-lr", "0.5", "--clip-norm", "0.1", "--clip-value", "0.02", "--head-lr-mult", "3"),
 ]
 # Nothing before the head trains: the backbone frozen, no normalisation of the head's input.
 FROZEN = ["--optimizer", "adam", "--freeze-backbone", "--head-norm", "none", "--grad-accum", "2", "--deterministic"]
@@ -319,7 +319,7 @@ def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small
     same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With label smoothing,
     --grad-accum 2 (the head's passes added up, applied with the backbone's), --ema (the head's average moved with
     the backbone's, and saved), --clip-value and --clip-norm (the global norm of the whole model's averaged
-    gradients, the head's shards of the group included); and with nothing trainable before the head, under Adam
+    gradients, the head's shards of the group included), then --head-lr-mult; and with nothing trainable before the head, under Adam
     (the backbone's optimizer still counts the passes Adam's correction of the head reads)."""
     import numpy as np
 
