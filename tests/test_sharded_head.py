@@ -319,8 +319,8 @@ def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small
     same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With label smoothing,
     --grad-accum 2 (the head's passes added up, applied with the backbone's), --ema (the head's average moved with
     the backbone's, and saved), --clip-value and --clip-norm (the global norm of the whole model's averaged
-    gradients, the head's shards of the group included), then --head-lr-mult; and with nothing trainable before the head, under Adam
-    (the backbone's optimizer still counts the passes Adam's correction of the head reads)."""
+    gradients, the head's shards of the group included), then --head-lr-mult; and with nothing trainable before
+    the head, under Adam (the backbone's optimizer still counts the passes Adam's correction of the head reads)."""
     import numpy as np
 
     from hvd_train.compat import keras

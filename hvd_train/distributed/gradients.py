@@ -85,18 +85,19 @@ def allreduce_gradients(grads, fp16: bool = False) -> list:
 
     if not hvd.is_initialized():  # a model used outside a job (a notebook, a test): nothing to average with
         return list(grads)
+    present = [(i, g) for i, g in enumerate(grads) if g is not None]
+    # Sparse gradients (an embedding's) are averaged as dense ones.
+    dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for _, g in present]
     if hvd.size() == 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
         # One process, whose size cannot change: its own gradients, as Horovod's DistributedOptimizer skips
         # its allreduce then (a copy through Horovod's thread each step: a tenth of a small model's step).
-        return list(grads)
-    compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-    present = [(i, g) for i, g in enumerate(grads) if g is not None]
-    # Named: Horovod would name it after the first gradient's tensor, which Keras 3 may name otherwise on
-    # another rank (after Horovod's op: see ``broadcast_variables``). Sparse gradients (an embedding's) are
-    # averaged as dense ones.
-    dense = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for _, g in present]
-    name = "HorovodGroupedAllreduce_gradients"
-    averaged = hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression, name=name)
+        averaged = dense
+    else:
+        # Named: Horovod would name it after the first gradient's tensor, which Keras 3 may name otherwise on
+        # another rank (after Horovod's op: see ``broadcast_variables``).
+        compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+        name = "HorovodGroupedAllreduce_gradients"
+        averaged = hvd.grouped_allreduce(dense, op=hvd.Average, compression=compression, name=name)
     out = list(grads)
     for (i, _), value in zip(present, averaged):
         out[i] = value

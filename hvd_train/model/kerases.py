@@ -32,12 +32,16 @@ def layers(model) -> list:
 
 
 def fuse_batch_norm(model) -> None:
-    """Keras 3: ``model``'s BatchNormalization layers normalise with TensorFlow's fused op, as tf-keras' do.
+    """Keras 3: ``model``'s BatchNormalization layers normalise a training step's batch with TensorFlow's fused
+    op, as tf-keras' do.
 
     Keras 3 computes the moments and the normalisation op by op, forward and backward: a fifth of a
-    MobileNetV2 step on a CPU. Where the fused op computes the same (4-D channels-last inputs, no mask, no
-    renorm, not synchronised, an epsilon cuDNN takes), the layer's ``call`` becomes ``_fused_call``; elsewhere
-    it stays Keras's. Only this process's layers change: a saved model is Keras's own.
+    MobileNetV2 step on a CPU. Where the fused op computes the same (float32 variables, 4-D channels-last
+    inputs, no mask, no renorm, not synchronised, an epsilon cuDNN takes), the layer's ``call`` becomes
+    ``_fused_call``; elsewhere it stays Keras's. A layer that normalises by its moving statistics (inference,
+    or not trainable: ``--bn-mode inference``) keeps Keras's call too: a scale and an offset, and the fused op's
+    gradient in that mode has no deterministic GPU kernel (``--deterministic``). Only this process's layers
+    change: a saved model is Keras's own.
     """
     if not keras_3():
         return
@@ -51,6 +55,7 @@ def fuse_batch_norm(model) -> None:
 def _fusable(layer) -> bool:
     return (
         layer.axis in (-1, 3)
+        and layer.variable_dtype == "float32"
         and not layer.renorm
         and not layer.synchronized
         and layer.epsilon >= 1.001e-5  # cuDNN's least
@@ -58,30 +63,24 @@ def _fusable(layer) -> bool:
 
 
 def _fused_call(layer, inputs, training=None, mask=None):
-    """Keras 3's ``BatchNormalization.call`` through ``FusedBatchNormV3``: float32 inside as Keras's; the moving
-    statistics updated by Keras's formula with the batch's variance (the op gives it divided by n - 1)."""
-    if mask is not None or len(inputs.shape) != 4:
+    """Keras 3's ``BatchNormalization.call`` of a training step through ``FusedBatchNormV3``: float32 inside as
+    Keras's; the moving statistics updated by Keras's formula with the batch's variance (the op gives it
+    divided by n - 1)."""
+    if not (training and layer.trainable) or mask is not None or len(inputs.shape) != 4:
         return type(layer).call(layer, inputs, training=training, mask=mask)
     x = tf.cast(inputs, tf.float32)
     channels = x.shape[-1]
     scale = tf.convert_to_tensor(layer.gamma) if layer.scale else tf.ones([channels])
     offset = tf.convert_to_tensor(layer.beta) if layer.center else tf.zeros([channels])
-    if training and layer.trainable:
-        y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=scale, offset=offset, mean=tf.zeros([0]), variance=tf.zeros([0]),
-            epsilon=layer.epsilon, data_format="NHWC", is_training=True,
-        )  # fmt: skip
-        count = tf.cast(tf.size(x) // channels, tf.float32)
-        variance = variance * tf.maximum(count - 1.0, 0.0) / tf.maximum(count, 1.0)
-        momentum = layer.momentum
-        layer.moving_mean.assign(layer.moving_mean * momentum + mean * (1.0 - momentum))
-        layer.moving_variance.assign(layer.moving_variance * momentum + variance * (1.0 - momentum))
-    else:
-        y, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x, scale=scale, offset=offset, mean=tf.convert_to_tensor(layer.moving_mean),
-            variance=tf.convert_to_tensor(layer.moving_variance), epsilon=layer.epsilon, data_format="NHWC",
-            is_training=False,
-        )  # fmt: skip
+    y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x, scale=scale, offset=offset, mean=tf.zeros([0]), variance=tf.zeros([0]),
+        epsilon=layer.epsilon, data_format="NHWC", is_training=True,
+    )  # fmt: skip
+    count = tf.cast(tf.size(x) // channels, tf.float32)
+    variance = variance * tf.maximum(count - 1.0, 0.0) / tf.maximum(count, 1.0)
+    momentum = layer.momentum
+    layer.moving_mean.assign(layer.moving_mean * momentum + mean * (1.0 - momentum))
+    layer.moving_variance.assign(layer.moving_variance * momentum + variance * (1.0 - momentum))
     return tf.cast(y, layer.compute_dtype)
 
 
