@@ -99,7 +99,7 @@ class Net:
         loss = training_loss(cfg.optim.label_smoothing, classes, soft_targets=self._mixer is not None)
         self.model.compile(optimizer=self.optimizer, loss=loss, metrics=["accuracy"])
         if keras_3():  # --grad-accum: the step's own (tf-keras: Horovod's DistributedOptimizer)
-            self.model.accumulate(cfg.horovod.grad_accum)
+            self._accumulate(cfg.horovod.grad_accum)
         # --class-weights auto: images / (classes x images of the class), the same for every rank.
         self._class_weights = None
         if cfg.optim.class_weights == "auto" and class_counts:
@@ -346,6 +346,11 @@ class Net:
             size = int(np.prod(v.shape))
             v.assign(np.reshape(flat[pos : pos + size], v.shape).astype(kerases.numpy_dtype(v)))
             pos += size
+
+    def _accumulate(self, passes: int) -> None:
+        """Keras 3, ``--grad-accum``: the model's step adds up the gradients of its trainable variables
+        (``Classifier.accumulate``). A subclass whose step updates more than the model overrides it."""
+        self.model.accumulate(passes)
 
     def _build_metrics(self) -> None:
         # Compiled metrics get their variables on first use; a resumed rank

@@ -73,13 +73,15 @@ class ShardedNet(Net):
         sums = [] if self._accum == 1 or keras_3() else [self.kernel, self.bias]
         self._sums = [tf.Variable(tf.zeros_like(v), trainable=False) for v in sums]
         self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="head_passes")
-        # Keras 3: the step's own accumulation, of the backbone's gradients and the head's together (not the
-        # backbone's alone, which ``Net`` gave the model's own step: its sums are let go).
-        object.__setattr__(self.model, "_accumulation", None)
+        # Keras 3: the step's own accumulation, of the backbone's gradients and the head's together.
         self._accumulation = None
         if keras_3() and self._accum > 1:
             variables = [*self.model.trainable_variables, self.kernel, self.bias]
             self._accumulation = Accumulation(variables, self._accum, self.optimizer)
+
+    def _accumulate(self, passes: int) -> None:
+        """Not the model's: this step adds up the backbone's gradients and the head shard's together
+        (``__init__``, once the shard exists)."""
 
     def averages(self) -> list[tuple[tf.Variable, tf.Variable]]:
         """``Net.averages``, then the head shard's kernel and bias with their averages (``--ema``)."""
