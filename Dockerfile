@@ -1,5 +1,5 @@
-# hvd_train image: Debian 13 with its Python 3.13, Open MPI, TensorFlow +
-# tf-keras and Horovod (MPI, Gloo). GPU by default: TensorFlow's CUDA
+# hvd_train image: Debian 13 with its Python 3.13, Open MPI, TensorFlow with
+# Keras 3 and tf-keras, and Horovod (MPI, Gloo). GPU by default: TensorFlow's CUDA
 # libraries and Horovod with NCCL, all from PyPI's wheels (`make gpu-image`;
 # needs an NVIDIA driver >= 580: docs/launching.md). CPU only with
 #   DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=cpu -t hvd-train:cpu .
@@ -97,7 +97,6 @@ RUN useradd --create-home --uid 1000 --shell /bin/bash hvd \
     && printf '%s\n' 'Host *' '    Port 12345' '    StrictHostKeyChecking no' '    UserKnownHostsFile /dev/null' \
         > /etc/ssh/ssh_config.d/hvd.conf
 ENV PATH=/opt/hvd_train/venv/bin:$PATH \
-    TF_USE_LEGACY_KERAS=1 \
     OMPI_MCA_plm_rsh_args="-p 12345 -o StrictHostKeyChecking=no"
 # The launch scripts (mpirun.sh passes preemption signals on; discovery
 # scripts for elastic jobs), then hvd_train's own files: the last layers.

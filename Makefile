@@ -5,7 +5,7 @@ export HVD_TRAIN_VENV := $(abspath $(VENV))
 BIN := $(HVD_TRAIN_VENV)/bin
 PYTEST_ARGS ?=
 # The other Keras (the suite runs on the default one): it runs the tests marked both_kerases again.
-OTHER_KERAS ?= 3
+OTHER_KERAS ?= 2
 
 .PHONY: install demo test test-docker test-fast gpu-image lint clean
 

@@ -25,8 +25,8 @@ import sys
 
 from hvd_train.errors import UserError
 
-DEFAULT_KERAS = "2"
-"""The Keras a run uses when ``HVD_TRAIN_KERAS`` is not set."""
+DEFAULT_KERAS = "3"
+"""The Keras a run uses when ``HVD_TRAIN_KERAS`` is not set (docs/keras3.md, "Which is the default")."""
 
 
 def _chosen_major() -> int:
