@@ -209,6 +209,20 @@ def test_held_out_labels_map_onto_training_classes(packed_dir):
         packed.load(str(packed_dir), "--val-data", classes=["class0", "class1"])
 
 
+@pytest.mark.parametrize("name", ["../outside.tfrecord", "/tmp/outside.tfrecord", "sub/../../outside.tfrecord"])
+def test_a_manifest_naming_a_shard_outside_its_set_is_refused(packed_dir, tmp_path, name):
+    import shutil
+
+    copy = tmp_path / "set"
+    shutil.copytree(packed_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    shutil.copy(copy / manifest["shards"][0]["file"], tmp_path / "outside.tfrecord")  # readable, were it read
+    manifest["shards"][0]["file"] = name
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match=r"names the shard .*outside\.tfrecord.*, which is no file of the set"):
+        packed.load(str(copy), "--data")
+
+
 def test_bad_images_are_listed_or_fail(folder, tmp_path):
     import shutil
 

@@ -183,6 +183,13 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
             f"training classes are: {', '.join(classes)}."
         )
     shards = tuple(Shard(s["file"], int(s["images"]), int(s["bytes"]), tuple(s["offsets"])) for s in manifest["shards"])
+    for shard in shards:
+        # ``pack`` writes plain names: a manifest that names ``../x`` or ``/x`` would read outside the set.
+        if not isinstance(shard.file, str) or shard.file in ("", ".", "..") or any(c in shard.file for c in "/\\\0"):
+            raise UserError(
+                f"{store.full(MANIFEST)} names the shard {shard.file!r}, which is no file of the set ({flag}); "
+                f"pack the data again."
+            )
     if not shards or sum(s.images for s in shards) == 0:
         raise UserError(f"shard set {store.url} has no images ({flag}); pack a folder with images.")
     counts = [0] * len(classes)
