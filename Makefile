@@ -5,7 +5,8 @@ export HVD_TRAIN_VENV := $(abspath $(VENV))
 BIN := $(HVD_TRAIN_VENV)/bin
 PYTEST_ARGS ?=
 # The other Keras (the suite runs on the default one): it runs the tests marked both_kerases again.
-OTHER_KERAS ?= 2
+# The default is Keras 3 on the 2.21 stack, tf-keras on 2.18 (hvd_train/compat.py), or HVD_TRAIN_KERAS.
+OTHER_KERAS ?= $(if $(HVD_TRAIN_KERAS),$(if $(filter 2,$(HVD_TRAIN_KERAS)),3,2),$(if $(filter 2.18,$(HVD_TRAIN_TF)),3,2))
 
 .PHONY: install demo test test-docker test-fast gpu-image lint clean
 

@@ -39,7 +39,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1")
+# tf-keras, as the recorded results (benchmarks/kerases.py compares the Kerases).
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1", HVD_TRAIN_KERAS="2")
 WARMUP = 20
 
 # Wraps train_step (the Keras model's and hvd_train's Classifier's) to record each step's start and end.

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 BACKBONE = """
-import tf_keras as keras
+import keras  # the run's Keras
 
 
 def backbone(input_shape):

@@ -89,7 +89,8 @@ def hvd_train(
         str(threads),
         "--no-tensorboard",
     ]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # hvd_train on tf-keras, as the textbook fit it is compared with (benchmarks/kerases.py compares the Kerases).
+    env = dict(os.environ, HVD_TRAIN_KERAS="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if np_ > 1 and pin:
         command = ["mpirun", "-np", str(np_), "--bind-to", "core", "--map-by", "core", "-x", "PATH", *command]
     elif np_ > 1:

@@ -35,6 +35,7 @@ BIN = Path(sys.executable).parent
 ENV = dict(
     os.environ,
     TF_USE_LEGACY_KERAS="1",
+    HVD_TRAIN_KERAS="2",  # hvd_train on tf-keras, as the Horovod example it is compared with
     TF_CPP_MIN_LOG_LEVEL="3",
     OMPI_ALLOW_RUN_AS_ROOT="1",
     OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",

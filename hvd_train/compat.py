@@ -18,21 +18,45 @@ Keras, and TensorFlow is first imported here, with its import noise sieved
 out, whichever module needs it first. ``KERAS_MAJOR`` says which.
 """
 
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 from hvd_train.errors import UserError
 
-DEFAULT_KERAS = "3"
-"""The Keras a run uses when ``HVD_TRAIN_KERAS`` is not set (docs/keras3.md, "Which is the default")."""
+KERAS_3_SINCE = (2, 21)
+"""The TensorFlow from which Keras 3 is the default: the stack it is tested on. Before it (the 2.18
+stack), tf-keras (docs/keras3.md, "Which is the default")."""
+
+
+def default_keras(tensorflow_version: str | None) -> str:
+    """The Keras a run uses when ``HVD_TRAIN_KERAS`` is not set, for the installed TensorFlow's version
+    (``None``: not found, Keras 3)."""
+    if tensorflow_version is None:
+        return "3"
+    release = re.match(r"(\d+)\.(\d+)", tensorflow_version)
+    if release is None:
+        return "3"
+    return "3" if (int(release[1]), int(release[2])) >= KERAS_3_SINCE else "2"
+
+
+def _installed_tensorflow() -> str | None:
+    """The version of the TensorFlow distribution installed (read from its metadata: nothing imported)."""
+    for name in ("tensorflow", "tensorflow-cpu", "tf-nightly"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _chosen_major() -> int:
     """``HVD_TRAIN_KERAS`` checked (a backend other than TensorFlow is refused in one line), and
     ``TF_USE_LEGACY_KERAS`` set to agree with it, so that ``tf.keras`` is the same Keras."""
-    chosen = os.environ.get("HVD_TRAIN_KERAS", "").strip() or DEFAULT_KERAS
+    chosen = os.environ.get("HVD_TRAIN_KERAS", "").strip() or default_keras(_installed_tensorflow())
     if chosen not in ("2", "3"):
         raise UserError(f"HVD_TRAIN_KERAS={chosen!r}: use 2 (tf-keras) or 3 (Keras 3 on TensorFlow)")
     if chosen == "3":

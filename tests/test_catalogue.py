@@ -89,6 +89,7 @@ def test_scratch_bn_momentum_is_applied():
     assert momenta == {0.9}
 
 
+@pytest.mark.both_kerases
 def test_freeze_and_trainable_layers():
     frozen = build_model(ModelConfig(name="MobileNetV2", weights="none", freeze_backbone=True), 3, 32)
     # tf-keras names a variable by its path (``head_norm/gamma:0``), Keras 3 keeps the path apart.

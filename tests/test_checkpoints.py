@@ -46,6 +46,7 @@ def is_momentum(variable) -> bool:
     return "/m/" in variable.name or variable.name.endswith("_momentum")
 
 
+@pytest.mark.both_kerases
 def test_save_restore_keeps_weights_optimizer_state_and_per_rank_values(tmp_path):
     model, opt = trained()
     for epoch, steps in ((1, 0), (1, 5), (2, 0)):

@@ -66,7 +66,7 @@ def test_the_real_import_is_quiet():
 
 def test_the_command_line_is_built_without_loading_tensorflow():
     # `hvd-train --help` and every subcommand's parser: TensorFlow loads only where a command needs it,
-    # after hvd_train.compat (Keras 2 in place, the import's noise sieved).
+    # after hvd_train.compat (the Keras chosen, the import's noise sieved).
     code = "import sys; from hvd_train import cli; cli.build_parser(); print('tensorflow' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

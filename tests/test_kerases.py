@@ -2,6 +2,7 @@
 test cases against our step on each, and what does not cross from one Keras to the other."""
 
 import json
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -52,6 +53,13 @@ def test_the_switch_refuses_what_it_cannot_run_in_one_line(tmp_path):
     listed = hvd_train(["models"], "3", TF_USE_LEGACY_KERAS="1")
     assert listed.returncode == 0 and listed.stdout.startswith("Keras 3 (HVD_TRAIN_KERAS=3)"), output_of(listed)
     assert "MobileNetV2" in listed.stdout and "Keras 2 only (HVD_TRAIN_KERAS=2): RegNetX002" in listed.stdout
+    # Unset (or empty): Keras 3 on the TensorFlow it is tested on, tf-keras on an older stack (2.18).
+    unset = hvd_train(["models"], "")
+    assert unset.returncode == 0 and unset.stdout.startswith("Keras 3 (HVD_TRAIN_KERAS=3)"), output_of(unset)
+    from hvd_train.compat import default_keras
+
+    versions = ("2.21.0", "2.22.0rc1", "3.0.0", "2.18.1", "2.16.2", None)
+    assert [default_keras(v) for v in versions] == ["3", "3", "3", "2", "2", "3"]
     dropped = hvd_train(["train", "--data", "x", "--output", "y", "--model", "resnet_rs50"], "3")
     assert dropped.returncode == 2, output_of(dropped)
     assert "--model ResNetRS50 is one of Keras 2's applications that Keras 3 dropped" in dropped.stderr
@@ -86,7 +94,19 @@ def test_a_keras3_run_is_refused_by_keras2_in_one_line_and_loads_in_plain_keras3
     resumed = hvd_train(["train", "--data", data, "--output", out, *TINY, "--val-split", "0.25", "--epochs", "2"], "2")
     assert resumed.returncode == 2, output_of(resumed)
     assert "was written under Keras 3, and this run is Keras 2" in resumed.stderr
-    assert "resume with HVD_TRAIN_KERAS=3, or pass --no-resume" in resumed.stderr
+    assert "resume with HVD_TRAIN_KERAS=3, or start over in another --output" in resumed.stderr
+    # A checkpoint of before the Keras was recorded is tf-keras', the default then: Keras 3 says so.
+    from hvd_train.training import checkpoints
+
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    for state in old.glob("checkpoints/*/state.json"):
+        body = {k: v for k, v in read_json(state).items() if k != "keras"}
+        state.write_text(json.dumps({**body, "checksum": checkpoints._body_checksum(body)}))
+    resumed = hvd_train(["train", "--data", data, "--output", old, *TINY, "--val-split", "0.25", "--epochs", "2"], "3")
+    assert resumed.returncode == 2, output_of(resumed)
+    assert "written under tf-keras (Keras 2, hvd_train's default before Keras 3)" in resumed.stderr
+    assert "resume with HVD_TRAIN_KERAS=2, or start over" in resumed.stderr
     scored = hvd_train(["evaluate", "--model-dir", out, "--data", data], "2")
     assert scored.returncode == 2 and "was saved by Keras 3, and this process runs Keras 2" in scored.stderr, output_of(
         scored

@@ -121,6 +121,7 @@ def test_base_lr_auto_is_found_once_and_shared(gloo_run):
         ("mpirun", ["--grad-accum", "2", "--head-lr-mult", "10", "--clip-norm", "0.5", "--clip-value", "0.1"], 32),
     ],
 )
+@pytest.mark.both_kerases
 def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
     proc = train_and_dump(launcher, demo_small, tmp_path / "run", tmp_path / "dump", "--epochs", "2", *extra)
     assert proc.returncode == 0, output_of(proc)

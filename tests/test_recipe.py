@@ -251,6 +251,7 @@ def _arrays(checkpoint, shape):
     return {n: reader.get_tensor(n) for n, s in tf.train.list_variables(str(checkpoint / "ckpt")) if s == list(shape)}
 
 
+@pytest.mark.both_kerases
 def test_early_stop_with_ema_saves_the_best_epochs_averaged_weights_and_resumes(tmp_path, demo_small):
     import tensorflow as tf
 
@@ -333,6 +334,7 @@ def test_adamw_decays_by_keras_default_unless_told_and_an_explicit_zero_is_refus
         weight_decay("--optimizer", "adamw", "--weight-decay", "0")
 
 
+@pytest.mark.both_kerases
 @pytest.mark.parametrize("case", ["fp32", "mixed", "accum"])
 def test_ema_averages_the_weights_after_each_update_and_the_statistics_after_each_step(recipe, case):
     ema = recipe[f"ema_{case}"]

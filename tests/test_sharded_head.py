@@ -342,6 +342,7 @@ def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small
     assert np.abs(head - initial_columns(*head.shape, 0, head.shape[1], seed=42)).max() > 1e-3  # it trained
 
 
+@pytest.mark.both_kerases
 @pytest.mark.multiprocess
 def test_a_sharded_run_resumed_from_a_mid_epoch_checkpoint_ends_with_the_same_model(demo_small, tmp_path):
     """Checkpoints every 3 steps (of 8 an epoch) gather the sharded head mid-epoch; with the epoch's last one gone, a

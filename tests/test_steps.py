@@ -13,6 +13,9 @@ import pytest
 
 from conftest import output_of, run
 
+# The steps differ between the Kerases (Horovod's DistributedOptimizer under tf-keras, our own under Keras 3).
+pytestmark = pytest.mark.both_kerases
+
 # Prints each case's result as one JSON line.
 _STEPS = """
 import json

@@ -30,7 +30,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hvd_train import compat  # noqa: F401  (Keras 2 before Horovod)
+    from hvd_train import compat  # noqa: F401  (the run's Keras before Horovod)
     from hvd_train.errors import UserError
 
     needs = [n.strip() for n in args.require.split(",") if n.strip()]

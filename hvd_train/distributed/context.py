@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from hvd_train.compat import tf  # (Keras 2 must be in place before Horovod)
+from hvd_train.compat import tf  # (the run's Keras chosen before Horovod loads)
 from hvd_train.distributed import cpus
 from hvd_train.errors import UserError
 

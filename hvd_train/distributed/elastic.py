@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 
-from hvd_train import compat  # noqa: F401  (Keras 2 must be in place before Horovod)
+from hvd_train import compat  # noqa: F401  (the run's Keras chosen before Horovod loads)
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 

@@ -349,13 +349,16 @@ def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
     or resume an update half accumulated under another count.
     """
     cfg = job.cfg
-    # A checkpoint of before the Keras was recorded is Keras 2's.
+    # A checkpoint of before the Keras was recorded is Keras 2's (tf-keras, the default then).
     written = found.info.get("keras", 2)
     if str(written) != str(KERAS_MAJOR):
+        which = f"Keras {written}"
+        if "keras" not in found.info:
+            which = "tf-keras (Keras 2, hvd_train's default before Keras 3)"
         raise UserError(
-            f"checkpoint {found.path} was written under Keras {written}, and this run is Keras {KERAS_MAJOR} "
-            f"(whose variables are named otherwise): resume with HVD_TRAIN_KERAS={written}, or pass --no-resume "
-            f"to start over"
+            f"checkpoint {found.path} was written under {which}, and this run is Keras {KERAS_MAJOR} "
+            f"(whose variables are named otherwise): resume with HVD_TRAIN_KERAS={written}, or start over in "
+            f"another --output (--no-resume would delete these checkpoints)"
         )
     options = (("seed", found.state.seed, cfg.run.seed), ("grad-accum", found.state.accum, cfg.horovod.grad_accum))
     differ = [f"--{flag} {then} then, {now} now" for flag, then, now in options if then != now]
