@@ -18,6 +18,7 @@ Keras, and TensorFlow is first imported here, with its import noise sieved
 out, whichever module needs it first. ``KERAS_MAJOR`` says which.
 """
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -152,22 +153,45 @@ def _import_tensorflow_quietly() -> None:
             pass
 
 
-_import_tensorflow_quietly()
+LEFT_OUT_OF_KERAS = ("sklearn", "pandas", "matplotlib")
+"""What Keras 3's import loads when it is installed and hvd_train never uses from Keras: scikit-learn (its
+estimator wrappers, with SciPy), pandas (DataFrames given to ``fit``) and matplotlib (its plotting
+helpers). Installed beside hvd_train (MLflow brings them), they cost every process about 2 s of its start;
+Keras takes each as not installed, and the process can import them later as usual (benchmarks/RESULTS.md,
+"A process's start")."""
 
-import tensorflow as tf  # noqa: E402
 
-if KERAS_MAJOR == 3:
-    import keras  # noqa: E402
+@contextlib.contextmanager
+def _left_out(names: tuple[str, ...]):
+    """``import NAME`` (and of its submodules) fails inside, for those of ``names`` not imported yet."""
+    held = [name for name in names if name not in sys.modules]
+    for name in held:
+        sys.modules[name] = None  # the import system's own "not importable" mark
+    try:
+        yield
+    finally:
+        for name in held:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
-    if not keras.__version__.startswith("3."):
-        raise UserError(
-            f"HVD_TRAIN_KERAS=3, but `import keras` gives Keras {keras.__version__}: "
-            "pip install 'keras>=3.12,<4' (make install does), or use HVD_TRAIN_KERAS=2"
-        )
-else:
-    import tf_keras as keras  # noqa: E402
 
-    sys.modules["keras"] = keras
+with _left_out(LEFT_OUT_OF_KERAS):
+    _import_tensorflow_quietly()
+
+    import tensorflow as tf  # noqa: E402
+
+    if KERAS_MAJOR == 3:
+        import keras  # noqa: E402
+
+        if not keras.__version__.startswith("3."):
+            raise UserError(
+                f"HVD_TRAIN_KERAS=3, but `import keras` gives Keras {keras.__version__}: "
+                "pip install 'keras>=3.12,<4' (make install does), or use HVD_TRAIN_KERAS=2"
+            )
+    else:
+        import tf_keras as keras  # noqa: E402
+
+        sys.modules["keras"] = keras
 
 
 def keras_3() -> bool:

@@ -6,6 +6,7 @@ way a broken install fails: a Python ImportError, or an abort in native code
 (as TensorFlow's CPU feature check does on a machine without AVX).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -62,6 +63,32 @@ def test_the_real_import_is_quiet():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == "", proc.stderr
+
+
+LEFT_OUT = """
+import importlib.util, json, sys
+import numpy as np
+from hvd_train.compat import LEFT_OUT_OF_KERAS, keras
+loaded = [name for name in LEFT_OUT_OF_KERAS if name in sys.modules]
+# Keras still trains on arrays (its array adapter is where it would have looked for pandas).
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile(optimizer="sgd", loss="mse")
+loss = model.fit(np.ones((8, 2)), np.ones((8, 1)), epochs=1, verbose=0).history["loss"][0]
+installed = [name for name in LEFT_OUT_OF_KERAS if importlib.util.find_spec(name) is not None]
+import matplotlib.pyplot, pandas, sklearn.base  # importable afterwards, as usual
+print(json.dumps({"loaded": loaded, "installed": installed, "loss": loss}))
+"""
+
+
+@pytest.mark.both_kerases
+def test_keras_loads_without_scikit_learn_pandas_and_matplotlib_which_are_imported_later_as_usual():
+    # Keras 3 imports them when installed (about 2 s of every process's start), for features hvd_train
+    # does not use from Keras.
+    proc = subprocess.run([sys.executable, "-c", LEFT_OUT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["installed"] == ["sklearn", "pandas", "matplotlib"], "installed here, so the test can fail"
+    assert result["loaded"] == [] and result["loss"] > 0, result
 
 
 def test_the_command_line_is_built_without_loading_tensorflow():
