@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -479,6 +480,10 @@ def pytest_terminal_summary(terminalreporter):
     if not _SECONDS_PER_FILE:
         return
     terminalreporter.section("time per file")
+    if _SPEED:
+        # The machine's speed varies by 1.5-3x between days (docs/development.md, "Suite time"): a suite's
+        # time is read with it.
+        terminalreporter.write_line(f"speed probe before the tests: {_SPEED[0]:.1f} M Python additions/s on one core")
     for path, seconds in sorted(_SECONDS_PER_FILE.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     terminalreporter.write_line(f"{sum(_SECONDS_PER_FILE.values()):8.1f} s  in all")
@@ -499,6 +504,23 @@ _CORES = "HVD_TRAIN_TEST_CORES"
 def pytest_configure(config):
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         os.environ[_CORES] = tempfile.mkdtemp(prefix="hvd-train-tests-")  # the workers inherit it
+    if not hasattr(config, "workerinput"):
+        _SPEED.append(_speed_probe())
+
+
+_SPEED: list[float] = []
+
+
+def _speed_probe() -> float:
+    """Millions of Python additions a second, the best of 5 short rounds (before any test loads the machine)."""
+    best = 0.0
+    for _ in range(5):
+        started = time.perf_counter()
+        total = 0
+        for i in range(1_000_000):
+            total += i
+        best = max(best, 1.0 / (time.perf_counter() - started))
+    return best
 
 
 def pytest_unconfigure(config):

@@ -189,33 +189,47 @@ def as_caller(*args, timeout=900, **env) -> subprocess.CompletedProcess:
     return sh(*setpriv, *args, timeout=timeout, check=False, env=environment)
 
 
-@pytest.mark.multiprocess
-def test_demo_through_docker_sh_box_without_a_network_reaches_accuracy_and_outputs_belong_to_the_caller(docker, image):
+@pytest.fixture(scope="module")
+def demo_in_image(docker, image):
+    """The demo run by the caller through ``docker.sh box`` (2 ranks) with no network: its folder and the command."""
     folder = caller_folder()
     try:
         # No network at all: the container's name does not resolve, and Horovod, told so once, uses loopback.
         box = ["bash", DOCKER_SH, "box", "--image", image, "--np", "2", "--network", "none", "--mount", folder]
         demo = ["demo", "--data", folder / "data", "--output", folder / "run", "--min-accuracy", "0.9"]
-        proc = as_caller(*box, "--", *demo)
-        text = proc.stdout + proc.stderr
-        assert proc.returncode == 0, output_of(proc)
-        assert "Segmentation fault" not in text and "Traceback" not in text
-        assert len(re.findall(r"does not resolve; single-host job, so Horovod uses loopback", text)) == 1, text[-3000:]
-        summary = read_json(folder / "run" / "summary.json")
-        assert summary["world_size"] == 2 and summary["val_accuracy"] >= 0.9
-        assert summary["val_images"] == 200  # 5 classes x 200 images, 20% held out
-        assert re.search(r"demo: held-out accuracy (0\.9\d+|1\.0+)", text), output_of(proc)
-        # The image exports what it trained, each file checked in its runtime on the held-out images.
-        single = ["bash", DOCKER_SH, "box", "--image", image, "--np", "1", "--mount", folder]
-        exported = as_caller(*single, "--", "export", folder / "run", "--format", "tflite,onnx", "--check")
-        assert exported.returncode == 0, output_of(exported)
-        check = read_json(folder / "run" / "export" / "manifest.json")["check"]
-        assert check["images"] == 200 and all(r["passed"] for r in check["formats"]), check
-        owners = {(p.stat().st_uid, p.stat().st_gid) for p in folder.rglob("*")}
-        assert owners == {(CALLER, CALLER)}, owners
-        print(f"demo in the image: held-out accuracy {summary['val_accuracy']:.3f}")
+        yield folder, as_caller(*box, "--", *demo)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.multiprocess
+def test_demo_through_docker_sh_box_without_a_network_reaches_accuracy(demo_in_image):
+    folder, proc = demo_in_image
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output_of(proc)
+    assert "Segmentation fault" not in text and "Traceback" not in text
+    assert len(re.findall(r"does not resolve; single-host job, so Horovod uses loopback", text)) == 1, text[-3000:]
+    summary = read_json(folder / "run" / "summary.json")
+    assert summary["world_size"] == 2 and summary["val_accuracy"] >= 0.9
+    assert summary["val_images"] == 200  # 5 classes x 200 images, 20% held out
+    assert re.search(r"demo: held-out accuracy (0\.9\d+|1\.0+)", text), output_of(proc)
+    print(f"demo in the image: held-out accuracy {summary['val_accuracy']:.3f}")
+
+
+# One process, after the demo's job (this file's order): it shares the machine.
+def test_the_image_exports_the_demo_checked_in_each_runtime_and_every_output_belongs_to_the_caller(
+    demo_in_image, image
+):
+    folder, proc = demo_in_image
+    assert proc.returncode == 0, output_of(proc)
+    # The image exports what it trained, each file checked in its runtime on the held-out images.
+    single = ["bash", DOCKER_SH, "box", "--image", image, "--np", "1", "--mount", folder]
+    exported = as_caller(*single, "--", "export", folder / "run", "--format", "tflite,onnx", "--check")
+    assert exported.returncode == 0, output_of(exported)
+    check = read_json(folder / "run" / "export" / "manifest.json")["check"]
+    assert check["images"] == 200 and all(r["passed"] for r in check["formats"]), check
+    owners = {(p.stat().st_uid, p.stat().st_gid) for p in folder.rglob("*")}
+    assert owners == {(CALLER, CALLER)}, owners
 
 
 @pytest.mark.multiprocess

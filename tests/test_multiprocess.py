@@ -23,6 +23,7 @@ from conftest import (
     output_of,
     png_with_a_corrupt_middle,
     read_json,
+    run_at_once,
     start,
 )
 
@@ -134,24 +135,13 @@ def test_mpi_launchers(launcher, extra, global_batch, demo_small, tmp_path):
 @pytest.mark.both_kerases
 def test_evaluate_counts_every_image_once_across_ranks(gloo_run, demo_small, tmp_path):
     out = gloo_run.out
-    two = launch(
-        "horovodrun-gloo",
-        2,
-        [
-            *HVD_TRAIN,
-            "evaluate",
-            "--model-dir",
-            out,
-            "--data",
-            demo_small,
-            "--batch-size",
-            "4",
-            "--report",
-            tmp_path / "two.json",
-        ],
+    # Both at once (they only read the run): the one process fills what the job leaves of the cores.
+    two, one = run_at_once(
+        [*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "evaluate", "--model-dir", out, "--data", demo_small]
+        + ["--batch-size", "4", "--report", tmp_path / "two.json"],
+        [*HVD_TRAIN, "evaluate", "--model-dir", out, "--data", demo_small, "--report", tmp_path / "one.json"],
     )
     assert two.returncode == 0, output_of(two)
-    one = cli(["evaluate", "--model-dir", out, "--data", demo_small, "--report", tmp_path / "one.json"])
     assert one.returncode == 0, output_of(one)
     two_ranks, one_rank = read_json(tmp_path / "two.json"), read_json(tmp_path / "one.json")
     assert two_ranks["images"] == one_rank["images"] == 115  # 115 = 2 * 14 batches of 4 + 3
@@ -297,9 +287,12 @@ def test_pack_under_horovodrun_writes_the_records_of_one_process_in_the_same_ord
         return manifest, names
 
     one, two = tmp_path / "one", tmp_path / "two"
-    alone = cli(["pack", demo_small, one, "--shard-size", "64KB", "--seed", "7"])
+    alone, proc = run_at_once(  # independent: the one process fills what the job leaves of the cores
+        [*HVD_TRAIN, "pack", demo_small, one, "--shard-size", "64KB", "--seed", "7"],
+        [*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "pack", demo_small, two, "--shard-size", "64KB"]
+        + ["--seed", "7"],
+    )
     assert alone.returncode == 0, output_of(alone)
-    proc = launch("horovodrun-gloo", 2, [*HVD_TRAIN, "pack", demo_small, two, "--shard-size", "64KB", "--seed", "7"])
     assert proc.returncode == 0, output_of(proc)
     assert "on 2 process(es)" in proc.stdout + proc.stderr
     manifest_one, names_one = records(one)

@@ -23,8 +23,6 @@ import pytest
 import slurm
 from conftest import BIN, TINY, output_of, read_json, start, unavailable
 
-pytestmark = pytest.mark.multiprocess
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "launch" / "slurm.sbatch"
 DUMP = Path(__file__).parent / "launched" / "train_and_dump.py"
@@ -43,6 +41,27 @@ def cluster(tmp_path_factory):
             yield made
     except slurm.Unavailable as e:
         unavailable("slurm", str(e))
+
+
+# First, and sharing the machine: it starts no job (the cluster starts meanwhile); the others run jobs, alone.
+def test_discover_slurm_leaves_out_a_drained_node(cluster):
+    env = {**os.environ, **cluster.env, "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "1"}
+
+    def discover():
+        done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert discover() == ["n1:1", "n2:1"]
+    cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
+    try:
+        assert discover() == ["n1:1"]
+    finally:
+        cluster.run("scontrol", "update", "nodename=n2", "state=resume")
+    cluster.wait_for("n2 back", lambda: cluster.node_states().get("n2") == "idle")
+    without = {k: v for k, v in env.items() if k != "SLURM_JOB_NODELIST"}
+    done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=without)
+    assert done.returncode != 0 and "inside a SLURM allocation" in done.stderr
 
 
 def train_args(data, out, samples, epochs=3, tiny=TINY):
@@ -138,10 +157,12 @@ def uninterrupted(cluster, demo_small, tmp_path_factory):
     return summary["weights_digest"]
 
 
+@pytest.mark.multiprocess
 def test_the_script_as_it_is_trains_on_two_cpu_nodes(uninterrupted):
     assert re.fullmatch(r"[0-9a-f]{16}", uninterrupted)
 
 
+@pytest.mark.multiprocess
 def test_stops_from_slurm_checkpoint_and_the_requeued_job_ends_bit_identical(
     cluster, demo_small, tmp_path, uninterrupted
 ):
@@ -171,6 +192,7 @@ def test_stops_from_slurm_checkpoint_and_the_requeued_job_ends_bit_identical(
     assert read_json(out / "summary.json")["weights_digest"] == uninterrupted, "not bit-identical"
 
 
+@pytest.mark.multiprocess
 def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_small, tmp_path):
     # SIGTERM to every process of the job, SIGKILL after KillWait: a user's cancel, which
     # HVD_TRAIN_REQUEUE=1 must not undo.
@@ -205,6 +227,7 @@ def test_a_plain_scancel_checkpoints_and_the_job_stays_cancelled(cluster, demo_s
     assert "Traceback" not in log, log
 
 
+@pytest.mark.multiprocess
 def test_a_rank_killed_without_mpi_abort_ends_the_job(cluster, demo_small, tmp_path):
     # SIGKILL to one rank, as the OOM killer or a segfault ends it: no MPI_Abort. The other rank
     # must not wait in a collective until the time limit: srun ends the step HVD_TRAIN_SRUN_WAIT
@@ -228,6 +251,7 @@ def proc_job_id(cluster):
     return jobs[0]
 
 
+@pytest.mark.multiprocess
 def test_the_time_limit_signal_checkpoints_and_ends_the_job_with_75(cluster, demo_small, tmp_path):
     # --time=2 with the signal 110 s before its end: SIGUSR1 to the script 10 to 40 s in (SLURM
     # looks at time limits every half minute or so), which passes it on to every rank, whether
@@ -248,26 +272,7 @@ def test_the_time_limit_signal_checkpoints_and_ends_the_job_with_75(cluster, dem
     assert found is not None and Path(found.path) == checkpoint, "a resubmitted job resumes from it"
 
 
-def test_discover_slurm_leaves_out_a_drained_node(cluster):
-    env = {**os.environ, **cluster.env, "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NTASKS_PER_NODE": "1"}
-
-    def discover():
-        done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
-
-    assert discover() == ["n1:1", "n2:1"]
-    cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=test")
-    try:
-        assert discover() == ["n1:1"]
-    finally:
-        cluster.run("scontrol", "update", "nodename=n2", "state=resume")
-    cluster.wait_for("n2 back", lambda: cluster.node_states().get("n2") == "idle")
-    without = {k: v for k, v in env.items() if k != "SLURM_JOB_NODELIST"}
-    done = subprocess.run(["bash", REPO / "launch" / "discover-slurm.sh"], capture_output=True, text=True, env=without)
-    assert done.returncode != 0 and "inside a SLURM allocation" in done.stderr
-
-
+@pytest.mark.multiprocess
 def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster, demo_small, tmp_path):
     # The script runs Horovod's elastic driver in the batch step; it starts a worker on each usable
     # node of the allocation (launch/discover-slurm.sh) as a step of the job (launch/srun-ssh).
@@ -296,6 +301,7 @@ def test_an_elastic_job_in_the_allocation_goes_on_without_a_drained_node(cluster
     assert "Traceback" not in log, log
 
 
+@pytest.mark.multiprocess
 def test_a_sweep_as_a_job_array_shares_one_postgresql_study(cluster, demo_small, tmp_path, postgres_url):
     """Two array tasks run trials of one study in PostgreSQL, together 3 and no more.
 

@@ -167,7 +167,7 @@ def resumed_sweep(tmp_path_factory, demo_small):
     path = sweep_file(
         folder,
         demo_small,
-        epochs=60,
+        epochs=20,  # long enough for a stop to land mid-trial (after its third epoch)
         search={"optim.base_lr": [0.02, 0.05], "run.seed": [1, 2]},
         sampler="grid",
         trials=4,
@@ -356,10 +356,11 @@ def test_trials_that_all_tie_say_so_instead_of_importances_and_seconds_are_whole
 
 
 def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_run(tmp_path, demo_small, mlflow_server):
+    epochs = 15  # the trials that finish train them all; the hopeless one is cut after an epoch or two
     path = sweep_file(
         tmp_path,
         demo_small,
-        epochs=40,
+        epochs=epochs,
         search={"optim.base_lr": {"log_uniform": [0.01, 1e9]}, "run.seed": {"int": [1, 3]}},
         first=[
             {"optim.base_lr": 0.05, "run.seed": 1},
@@ -384,12 +385,12 @@ def test_a_hopeless_trial_is_pruned_after_an_epoch_and_each_trial_is_an_mlflow_r
     states = {r["params"]["optim.base_lr"]: r for r in summary["rows"]}
     hopeless = states[8.0]
     assert hopeless["state"] == "pruned", summary
-    assert hopeless["epochs"] < 40 and "pruned at epoch" in hopeless["note"]
+    assert hopeless["epochs"] < epochs and "pruned at epoch" in hopeless["note"]
     diverged = states[1e9]
     assert diverged["state"] == "pruned" and diverged["diverged"] and not hopeless["diverged"], summary
     assert diverged["note"].startswith("training diverged: "), summary
     assert "lower --base-lr" in diverged["note"].lower() and "\n" not in diverged["note"], diverged["note"]
-    assert summary["epochs_saved_by_pruning"] == 40 - hopeless["epochs"]  # the pruner's, not divergence's
+    assert summary["epochs_saved_by_pruning"] == epochs - hopeless["epochs"]  # the pruner's, not divergence's
     assert f"trial {hopeless['number']} pruned at epoch" in proc.stderr
     # Stopped as a scheduler stops a run: on its checkpoint, not killed.
     assert "stopped by SIGTERM" in (tmp_path / "out" / hopeless["folder"] / "trial.log").read_text()
