@@ -266,7 +266,10 @@ def test_other_backbones_frozen_and_mixed_precision_runs_export_alike(model, bac
             im.save(tmp_path / f"{i}.png")
         pngs.append(str(tmp_path / f"{i}.png"))
     saved = tf.saved_model.load(str(folder / manifest["formats"][0]["path"]))
-    assert np.allclose(run_savedmodel(saved, pngs), run_savedmodel_uint8(saved, pngs, "white"), rtol=0, atol=1e-6)
+    # One image a batch, as serving_uint8 is given them: a batch of another size may sum in another order
+    # (oneDNN picks its kernels by shape), which moved MobileNetV3Small's probabilities by 2.5e-6.
+    decoded = run_savedmodel(saved, pngs, batch_size=1)
+    assert np.allclose(decoded, run_savedmodel_uint8(saved, pngs, "white"), rtol=0, atol=1e-6)
     if "mixed_float16" in BACKBONES[model]:
         assert manifest["source"]["precision"] == "mixed_float16"
         import onnx
