@@ -360,6 +360,22 @@ def test_a_stop_held_back_while_the_export_is_put_in_place_ends_after_it(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"], "no old export or staging folder left"
 
 
+def test_a_stop_that_keras_turns_into_an_error_of_its_own_still_stops_the_export(tmp_path):
+    # Keras 3's Lambda infers its output's shape under a bare ``except:``: a stop that lands there (as the
+    # TFLite model of a stopped export was being built) comes out as a NotImplementedError.
+    from hvd_train.compat import keras
+    from hvd_train.results.export import folder as exporting
+
+    def shape_inferred_as_a_stop_arrives(t):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return t * 2
+
+    with pytest.raises(exporting.Stopped, match="before it was complete") as stopped:
+        with exporting.stops_as_errors(str(tmp_path / "export")):
+            keras.layers.Lambda(shape_inferred_as_a_stop_arrives)(keras.Input((3,)))
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost stop, by design
 def test_a_stop_lost_in_a_finalizer_still_stops_the_export_before_the_swap(tmp_path):
     # Seen once in a whole run: the SIGTERM's handler ran while TensorFlow freed a converted function

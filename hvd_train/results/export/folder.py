@@ -220,6 +220,12 @@ def stops_as_errors(folder: str):
         yield stops
     except _Signalled as e:
         raise Stopped(e.signum, folder) from None
+    except Exception:
+        # The stop, made an error of another kind on its way out: Keras 3's Lambda infers its output's
+        # shape under a bare ``except:``, which turns whatever it meets into a NotImplementedError.
+        if stops.raised is not None:
+            raise Stopped(stops.raised, folder) from None
+        raise
     finally:
         sys.unraisablehook = hook
         for s, handler in before.items():
