@@ -156,7 +156,7 @@ def _import_tensorflow_quietly() -> None:
 LEFT_OUT_OF_KERAS = ("sklearn", "pandas", "matplotlib")
 """What Keras 3's import loads when it is installed and hvd_train never uses from Keras: scikit-learn (its
 estimator wrappers, with SciPy), pandas (DataFrames given to ``fit``) and matplotlib (its plotting
-helpers). Installed beside hvd_train (MLflow brings them), they cost every process about 2 s of its start;
+helpers). Installed beside hvd_train (MLflow brings them), they cost every process about 2.7 CPU-s of its start;
 Keras takes each as not installed, and the process can import them later as usual (benchmarks/RESULTS.md,
 "A process's start")."""
 
