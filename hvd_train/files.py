@@ -41,6 +41,14 @@ def replacing(path: str, mode: str = "w", sync: bool = False):
         raise
 
 
+def plain_name(rel) -> bool:
+    """Whether ``rel`` names a file in a folder itself: no separator, not ``.`` or ``..``, not empty.
+
+    For names read from a file that lists a folder's files (a checkpoint's ``state.json``, a shard
+    set's ``manifest.json``): one that came from elsewhere may name ``../x`` or ``/x``."""
+    return isinstance(rel, str) and rel not in ("", ".", "..") and not any(c in rel for c in ("/", "\\", "\0"))
+
+
 def cache_base() -> str:
     """hvd_train's cache folder: ``$HVD_TRAIN_CACHE``, else ``hvd_train`` in the user's cache folder."""
     return os.environ.get("HVD_TRAIN_CACHE") or os.path.join(

@@ -33,6 +33,7 @@ from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
+from hvd_train.files import plain_name
 from hvd_train.log import Ticker, get_logger
 
 MANIFEST = "manifest.json"
@@ -185,7 +186,7 @@ def load(url: str, flag: str, s3: storage.S3Options | None = None, classes: list
     shards = tuple(Shard(s["file"], int(s["images"]), int(s["bytes"]), tuple(s["offsets"])) for s in manifest["shards"])
     for shard in shards:
         # ``pack`` writes plain names: a manifest that names ``../x`` or ``/x`` would read outside the set.
-        if not isinstance(shard.file, str) or shard.file in ("", ".", "..") or any(c in shard.file for c in "/\\\0"):
+        if not plain_name(shard.file):
             raise UserError(
                 f"{store.full(MANIFEST)} names the shard {shard.file!r}, which is no file of the set ({flag}); "
                 f"pack the data again."

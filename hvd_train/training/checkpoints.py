@@ -42,6 +42,7 @@ import google_crc32c
 import numpy as np
 
 from hvd_train.errors import UserError, first_line
+from hvd_train.files import plain_name
 from hvd_train.log import get_logger
 from hvd_train.training.state import TrainState
 
@@ -262,7 +263,7 @@ def verify(path: str) -> Found:
         raise ValueError("state.json is damaged (its checksum does not match its contents)")
     try:
         for rel, want in body["files"].items():
-            if not _plain_name(rel):  # save() writes plain names; a manifest from elsewhere may name any path
+            if not plain_name(rel):  # save() writes plain names; a manifest from elsewhere may name any path
                 raise ValueError(f"state.json names {rel!r}, which is no file of a checkpoint's folder")
             file = os.path.join(path, rel)
             if not os.path.isfile(file):
@@ -280,11 +281,6 @@ def verify(path: str) -> Found:
         raise ValueError(f"state.json lacks or garbles {e}") from None
     skip = ("format", "version", "state", "files", "checksum")
     return Found(path, state, {k: v for k, v in body.items() if k not in skip})
-
-
-def _plain_name(rel) -> bool:
-    """Whether ``rel`` names a file in the folder itself: no separator, not ``.`` or ``..``, not empty."""
-    return isinstance(rel, str) and rel not in ("", ".", "..") and not any(c in rel for c in ("/", "\\", "\0"))
 
 
 def latest(output: str, set_aside: bool = False) -> Found | None:
