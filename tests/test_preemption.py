@@ -291,13 +291,13 @@ def test_sigterm_to_launch_horovodrun_script_ends_in_75_without_a_traceback(how,
 def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_falls_back_and_it_ends_bit_identical(
     demo_small, tmp_path
 ):
-    # Two epochs of 12 steps, run 2 per call (the uninterrupted run: the default): the signal after
-    # step 4 is agreed in the call of steps 5-6 or 7-8 and read after the next, so the stop (step 8 or
-    # 10) is inside the first epoch, and the reruns go on into the second. The uninterrupted run to
-    # compare with trains meanwhile: one process each, both cores work. MobileNet's steps, not the
-    # tests' backbone's: the stop must land inside the epoch, and those went by before the test had
-    # read step 4 (the stop came after step 12).
-    two = ("--epochs", "2")
+    # Two epochs of 45 steps (batches of 2), run 2 per call (the uninterrupted run: the default): the
+    # signal after step 4 is agreed in a call or two and read after the next, so the stop is inside
+    # the first epoch, and the reruns go on into the second. The uninterrupted run to compare with
+    # trains meanwhile: one process each, both cores work. MobileNet's steps, not the tests' backbone's,
+    # and small batches: the stop must land inside the epoch, and on a fast machine 8 steps of 8 images
+    # went by before the stop was read (it came after step 12, the epoch's last).
+    two = ("--epochs", "2", "--batch-size", "2")
     straight_out, straight_samples = tmp_path / "straight", tmp_path / "straight-samples"
     straight = start(options(demo_small, straight_out, straight_samples, *two, tiny=TINY_APP))
     try:
@@ -312,7 +312,7 @@ def test_one_process_stops_once_on_a_repeated_sigterm_a_kill_mid_checkpoint_fall
         assert proc.returncode == EXIT_PREEMPTED, output_of(proc)
         assert "SIGTERM too: the stop is under way" in proc.stderr, output_of(proc)
         epoch, step, checkpoint = check_stopped(proc, at, ranks=1)
-        assert epoch == 0 and step < 12, "a stop inside the epoch"
+        assert epoch == 0 and step < 45, "a stop inside the epoch"
         before = sample_lines(samples)
 
         # The rerun is killed while it writes its next checkpoint (the end of the epoch): the one after
