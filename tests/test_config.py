@@ -4,6 +4,7 @@ import re
 import pytest
 
 from hvd_train import config
+from hvd_train.data.table import TableOptions
 from hvd_train.errors import UserError
 
 
@@ -54,6 +55,9 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--head-parallel", "2", "--elastic"], "--elastic"),
         (["--head-save", "files"], "--head-save"),
         (["--head-parallel", "2", "--xla", "jit"], "--xla"),
+        (["--min-images-per-label", "0"], "--min-images-per-label"),
+        (["--image-root", "elsewhere"], "--image-root"),  # --data d is a folder: the option would do nothing
+        (["--label-column", "kind"], "--label-column"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):
@@ -119,6 +123,13 @@ def test_missing_config_file(tmp_path):
 )
 def test_checkpoint_every_takes_steps_or_a_duration(text, parsed):
     assert config.parse_every(text) == parsed
+
+
+def test_the_options_of_a_csv_of_labels_are_taken_where_data_or_val_data_is_one():
+    for data in (["--data", "labels.CSV"], ["--data", "d", "--val-data", "s3://b/val.tsv"]):
+        options = ["--image-root", "images", "--path-column", "Id", "--label-column", "kind"]
+        cfg = config.from_sources(parse([*data, "--output", "o", *options, "--min-images-per-label", "1"]))
+        assert cfg.data.table_options() == TableOptions("Id", "kind", "images", 1)
 
 
 @pytest.mark.parametrize("text", ["0", "15 minutes", "m", "-5s", "10x"])

@@ -95,6 +95,40 @@ def test_the_same_tree_lists_alike_from_local_disk_and_s3(s3, tmp_path):
         assert a.digest == b.digest
 
 
+def test_a_csv_in_s3_or_naming_s3_urls_lists_the_images_the_s3_folder_lists(s3, tmp_path):
+    """A CSV beside the images in the bucket, and a local one of ``s3://`` URLs below ``--image-root``: the
+    folder's list to the digest; a URL outside the root and an image not in the bucket are refused."""
+    from hvd_train.data.table import TableOptions, read_table
+
+    server, bucket = s3
+    local = write_images(tmp_path / "data", {"cat": 2, "dog": 3}, size=4)
+    client = server.client()
+    rows = []
+    for path in sorted(local.rglob("*.png"), reverse=True):
+        rel = path.relative_to(local).as_posix()
+        client.put_object(Bucket=bucket, Key=f"pets/{rel}", Body=path.read_bytes())
+        rows.append((rel, rel.split("/")[0]))
+    root = f"s3://{bucket}/pets"
+    expected = list_folder(root, "--data", s3=OPTIONS)
+    client.put_object(
+        Bucket=bucket, Key="pets/labels.csv", Body="".join(f"{r},{c}\n" for r, c in [("path", "label"), *rows])
+    )
+    in_bucket = read_table(f"{root}/labels.csv", "--data", OPTIONS)
+    assert in_bucket == expected and in_bucket.digest == expected.digest and len(in_bucket) == 5
+    urls = tmp_path / "urls.csv"
+    urls.write_text("".join(f"{r},{c}\n" for r, c in [("image", "class"), *((f"{root}/{r}", c) for r, c in rows)]))
+    elsewhere = TableOptions(image_root=root)
+    assert read_table(str(urls), "--data", OPTIONS, elsewhere) == expected
+    with open(urls, "a") as f:
+        f.write(f"s3://{bucket}/other/x.png,cat\n{root}/cat/gone.png,cat\n")
+    with pytest.raises(UserError, match=rf"line 7: s3://{bucket}/other/x.png is not below the image root {root}"):
+        read_table(str(urls), "--data", OPTIONS, elsewhere)
+    with open(urls, "w") as f:
+        f.write("".join(f"{r},{c}\n" for r, c in [("image", "class"), *rows, ("cat/gone.png", "cat")]))
+    with pytest.raises(UserError, match=rf"1 of 6 image\(s\) it names are not in {root}: line 7: cat/gone.png"):
+        read_table(str(urls), "--data", OPTIONS, elsewhere)
+
+
 def test_missing_bucket_names_the_bucket(s3):
     with pytest.raises(UserError, match=r"bucket 'no-such-bucket-here' does not exist.*--data"):
         list_folder("s3://no-such-bucket-here/x/", "--data", s3=OPTIONS)

@@ -49,3 +49,38 @@ def add_alpha_argument(parser: argparse.ArgumentParser, default: str | None, hel
     from hvd_train.config import ALPHA_BACKGROUNDS
 
     parser.add_argument("--alpha-background", choices=ALPHA_BACKGROUNDS, default=default, help=help)
+
+
+# DataConfig's options of a CSV of labels, which the commands that read labelled images take as train does.
+TABLE_FIELDS = ("image_root", "path_column", "label_column", "min_images_per_label")
+
+
+def add_table_arguments(parser: argparse.ArgumentParser, training: bool = True) -> None:
+    """``--image-root``, ``--path-column``, ``--label-column`` and (``training``) ``--min-images-per-label``, as
+    ``train`` has them."""
+    import dataclasses
+
+    from hvd_train.config import DataConfig
+
+    for f in dataclasses.fields(DataConfig):
+        if f.name in TABLE_FIELDS[: None if training else -1]:
+            kind = positive_int if isinstance(f.default, int) else str
+            parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+
+
+def table_options(args: argparse.Namespace, data: str):
+    """The ``data.table.TableOptions`` of ``add_table_arguments``' options, for the CSV ``data``.
+
+    Raises:
+        UserError: such an option is given and ``data`` is no CSV of labels.
+    """
+    from hvd_train.data.table import TableOptions, is_table
+    from hvd_train.errors import UserError
+
+    options = TableOptions(
+        args.path_column, args.label_column, args.image_root, getattr(args, "min_images_per_label", 2)
+    )
+    given = [f"--{name.replace('_', '-')}" for name in TABLE_FIELDS[:-1] if getattr(args, name)]
+    if given and not is_table(data):
+        raise UserError(f"{given[0]} tells how a CSV of labels is read, and {data} is none; leave it out.")
+    return options

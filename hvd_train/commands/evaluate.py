@@ -6,7 +6,7 @@ import argparse
 import os
 
 from hvd_train import files
-from hvd_train.commands._common import add_trained_model_arguments
+from hvd_train.commands._common import add_table_arguments, add_trained_model_arguments, table_options
 
 SHOWN = 25  # classes and pairs printed when there are many classes
 
@@ -15,13 +15,17 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "evaluate",
         help="exact accuracy, top-5, per-class accuracy and confusion matrix",
-        description="Score every image of DIR/<class>/... (or of a shard set) once (across all ranks under horovodrun) "
-        "with the model of a finished run. Prints the results and writes them as JSON.",
+        description="Score every image of DIR/<class>/... (or of a CSV of labels, or of a shard set) once "
+        "(across all ranks under horovodrun) with the model of a finished run. Prints the results and writes "
+        "them as JSON.",
     )
     add_trained_model_arguments(parser)
     parser.add_argument(
-        "--data", required=True, help="labelled image folder or shard set, local or s3://, classes as in training"
+        "--data",
+        required=True,
+        help="labelled image folder, CSV of labels or shard set, local or s3://, classes as in training",
     )
+    add_table_arguments(parser, training=False)
     parser.add_argument(
         "--report",
         help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",
@@ -41,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
 
+    table = table_options(args, args.data)  # refused before anything starts
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             "shard its head: evaluate it with fewer processes.",
             agreed=True,
         )
-    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3)
+    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3, table=table)
     held_out = eval_dataset(
         images,
         rank=ctx.rank,

@@ -66,7 +66,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--check-data",
         metavar="DIR",
-        help="labelled images (one folder per class) to check on (default: the run's held-out images)",
+        help="labelled images (one folder per class, or a CSV of labels) to check on (default: the run's held-out "
+        "images)",
     )
     parser.add_argument(
         "--top-k", type=positive_int, default=5, help="class indices and names the SavedModel returns (default: 5)"
@@ -246,7 +247,7 @@ def _check_images(args, data, trained, ctx):
     from hvd_train.errors import UserError
     from hvd_train.results.export.parity import Images
 
-    fix = "pass --check-data with a local folder of labelled images (one folder per class)."
+    fix = "pass --check-data with a local folder of labelled images (one folder per class) or a CSV of labels."
     if args.check_data:
         from hvd_train.config import DataConfig
 

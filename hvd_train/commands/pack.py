@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import argparse
 
-from hvd_train.commands._common import add_alpha_argument
+from hvd_train.commands._common import add_alpha_argument, add_table_arguments, table_options
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "pack",
         help="pack an image folder (local or s3://) into TFRecord shards (local or s3://)",
-        description="Write the images of SRC/<class>/.../<image> into TFRecord shards of about --shard-size "
-        "bytes at DST, in a seeded random order, with DST/manifest.json (classes, images per shard, bytes, "
-        "SHA-256, record offsets). Unreadable images follow --on-bad-image and are listed in the manifest. "
+        description="Write the images of SRC/<class>/.../<image> (or of a CSV of labels) into TFRecord shards "
+        "of about --shard-size bytes at DST, in a seeded random order, with DST/manifest.json (classes, images "
+        "per shard, bytes, SHA-256, record offsets). Unreadable images follow --on-bad-image and are listed in "
+        "the manifest. "
         "Images with transparent pixels are stored composited over --alpha-background (as PNG). "
         "The manifest is written last: an interrupted pack leaves no manifest. With --val-split, the held-out "
         "images go to DST/val and the rest to DST/train. Under horovodrun or mpirun each process packs a part "
         "of the images and rank 0 writes the manifest.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("src", metavar="SRC", help="labelled image folder, local or s3://bucket/prefix/")
+    parser.add_argument("src", metavar="SRC", help="labelled image folder or CSV of labels, local or s3://")
     parser.add_argument("dst", metavar="DST", help="folder or s3://bucket/prefix/ for the shards")
     parser.add_argument("--shard-size", default="128MB", help="target bytes per shard, e.g. 128MB, 1GB, 65536")
     parser.add_argument("--on-bad-image", choices=("skip", "fail"), default="skip", help="skip (and list) or fail")
@@ -30,6 +31,7 @@ def add_parser(subparsers) -> None:
     add_alpha_argument(parser, default="white", help="colour transparent pixels are composited over, stored as PNG")
     parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--s3-concurrency", type=int, default=32, help="S3 requests in flight")
+    add_table_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -42,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--val-split {args.val_split} is invalid; use a fraction in [0, 1).")
     if args.s3_concurrency < 1:
         raise UserError(f"--s3-concurrency {args.s3_concurrency} is invalid; use a whole number >= 1.")
+    table = table_options(args, args.src)
     s3 = storage.S3Options(endpoint=args.s3_endpoint, concurrency=args.s3_concurrency)
     # Under horovodrun/mpirun every rank packs a part; alone, one process packs all.
     ctx = start.init()
@@ -56,5 +59,6 @@ def run(args: argparse.Namespace) -> int:
         val_split=args.val_split,
         alpha_background=args.alpha_background,
         ctx=ctx,
+        table=table,
     )
     return 0

@@ -7,30 +7,35 @@ import csv
 import os
 import sys
 
-from hvd_train.commands._common import add_trained_model_arguments
+from hvd_train.commands._common import add_table_arguments, add_trained_model_arguments, table_options
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "predict",
         help="predict the class of images; writes CSV path,label,probability",
-        description="Predict the class of each image given (files, or folders searched recursively). "
+        description="Predict the class of each image given (files, folders searched recursively, or CSVs whose "
+        "rows name images, as --data takes them). "
         "Under horovodrun the images are split among ranks; rank 0 writes the CSV in input order.",
     )
     add_trained_model_arguments(parser)
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders, or CSVs naming images")
     parser.add_argument("--output", default="-", help="CSV file to write (default: standard output)")
+    add_table_arguments(parser, training=False)
     parser.set_defaults(run=run)
 
 
-def expand(paths: list[str]) -> list[str]:
-    """Image files named by ``paths`` (folders searched recursively, sorted)."""
+def expand(paths: list[str], table=None) -> list[str]:
+    """Image files named by ``paths`` (folders searched recursively, sorted; a CSV's rows in their order)."""
     from hvd_train.data.folder import is_image_name
+    from hvd_train.data.table import is_table, table_images
     from hvd_train.errors import UserError
 
     files = []
     for path in paths:
-        if os.path.isdir(path):
+        if is_table(path):
+            files.extend(table_images(path, "PATH", table))
+        elif os.path.isdir(path):
             found = sorted(
                 os.path.join(d, n)
                 for d, _, names in os.walk(path)
@@ -43,7 +48,7 @@ def expand(paths: list[str]) -> list[str]:
         elif os.path.isfile(path):
             files.append(path)
         else:
-            raise UserError(f"{path} does not exist; PATH takes image files or folders.")
+            raise UserError(f"{path} does not exist; PATH takes image files, folders or CSVs of image paths.")
     return files
 
 
@@ -52,14 +57,16 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.pipeline import predict_dataset
     from hvd_train.data.sources import checked
     from hvd_train.data.storage import S3Options
+    from hvd_train.data.table import is_table
     from hvd_train.distributed import start
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
 
+    table = table_options(args, next((p for p in args.paths if is_table(p)), args.paths[0]))
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     args.model_dir = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3)[0], name="open_run")
-    files = ctx.on_root(lambda: expand(args.paths), name="predict_list")
+    files = ctx.on_root(lambda: expand(args.paths, table), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
     # Every image decoded before predicting: a few files, and each must get an answer or a reason.
     images = ImageSet(files, [0] * len(files), ["unlabelled"])

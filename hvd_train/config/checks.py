@@ -9,6 +9,7 @@ from typing import Any
 from hvd_train.config import own_model
 from hvd_train.config.choices import ADAMW_WEIGHT_DECAY, TrainConfig
 from hvd_train.data.storage import is_s3, redact_url
+from hvd_train.data.table import is_table
 from hvd_train.errors import UserError
 
 
@@ -20,6 +21,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(0.0 <= d.val_split < 1.0, "--val-split", d.val_split, "use a fraction in [0, 1)")
     _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
     _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
+    _require(d.min_images_per_label >= 1, "--min-images-per-label", d.min_images_per_label, "use a whole number >= 1")
+    tables = is_table(d.train) or is_table(d.val)
+    for flag, value in (
+        ("--image-root", d.image_root),
+        ("--path-column", d.path_column),
+        ("--label-column", d.label_column),
+    ):
+        _require(not value or tables, flag, value, "it tells how a CSV of labels is read, and --data names no CSV")
     _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
     _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
     _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")

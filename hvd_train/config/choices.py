@@ -18,6 +18,7 @@ import yaml
 from hvd_train.config.fields import opt as _opt
 from hvd_train.config.run_choices import RunConfig
 from hvd_train.data.storage import S3Options, redact_url
+from hvd_train.data.table import TableOptions
 
 AUGMENTATIONS = ("crop,flip", "crop", "flip", "none", "randaugment")
 BN_MODES = ("auto", "inference", "train")
@@ -54,9 +55,12 @@ class DataConfig:
     """Where the images come from and how they are fed.
 
     Attributes:
-        train: folder tree ``<class>/.../<image>`` to train on.
-        val: folder tree of held-out images; when empty, ``val_split`` of
-            each class of ``train`` is held out instead.
+        train: folder tree ``<class>/.../<image>`` to train on, or a CSV of
+            image paths and labels (``data.table``).
+        val: folder tree or CSV of held-out images; when empty, ``val_split``
+            of each class of ``train`` is held out instead.
+        image_root, path_column, label_column, min_images_per_label: how a
+            CSV is read (``data.table.TableOptions``).
         val_split: fraction of each class held out when ``val`` is not given.
         image_size: side of the square model input; 0 uses the model's default.
         batch_size: images per worker per step.
@@ -90,9 +94,21 @@ class DataConfig:
     """
 
     train: str = _opt(
-        "", "--data", "image folder tree or shard set to train on, local or s3:// (labels = folder names)"
+        "",
+        "--data",
+        "image folder tree (labels = folder names), CSV of labels, or shard set to train on, local or s3://",
     )
-    val: str = _opt("", "--val-data", "image folder tree or shard set of held-out images, local or s3://")
+    val: str = _opt(
+        "", "--val-data", "image folder tree, CSV of labels or shard set of held-out images, local or s3://"
+    )
+    image_root: str = _opt(
+        "", "--image-root", "folder or s3:// prefix the image paths of a CSV are relative to (default: its folder)"
+    )
+    path_column: str = _opt("", "--path-column", "a CSV's column of image paths (default: path, file, image, id, ...)")
+    label_column: str = _opt("", "--label-column", "a CSV's column of labels (default: label, class, category, ...)")
+    min_images_per_label: int = _opt(
+        2, "--min-images-per-label", "fewest images a label of a training CSV may have (fewer: a typo, mostly)"
+    )
     val_split: float = _opt(0.1, "--val-split", "fraction of each class held out when --val-data is not given")
     image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
     batch_size: int = _opt(32, "--batch-size", "images per worker per step (the global batch is this x workers)")
@@ -120,6 +136,10 @@ class DataConfig:
     s3_concurrency: int = _opt(32, "--s3-concurrency", "S3 requests in flight per worker (and pooled connections)")
     s3_retry_mode: str = _opt("standard", "--s3-retry-mode", "boto3 retry mode", choices=S3_RETRY_MODES)
     s3_max_attempts: int = _opt(5, "--s3-max-attempts", "attempts per S3 request before giving up")
+
+    def table_options(self) -> TableOptions:
+        """How a CSV of labels is read, as ``table.TableOptions``."""
+        return TableOptions(self.path_column, self.label_column, self.image_root, self.min_images_per_label)
 
     def s3_options(self) -> S3Options:
         """The S3 settings as ``storage.S3Options``."""

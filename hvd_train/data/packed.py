@@ -31,6 +31,7 @@ from hvd_train.data import storage
 from hvd_train.data.fetcher import Fetcher
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
+from hvd_train.data.table import TableOptions, is_table, read_table
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.files import plain_name
@@ -235,8 +236,10 @@ def pack(
     val_split: float = 0.0,
     alpha_background: str = DEFAULT_ALPHA_BACKGROUND,
     ctx: Context | None = None,
+    table: TableOptions | None = None,
 ) -> dict[str, dict]:
-    """Packs the labelled folder ``src`` into shards at ``dst``.
+    """Packs the labelled folder ``src`` (or the images a CSV of labels names, read with ``table``) into shards at
+    ``dst``.
 
     With ``val_split``, ``val_split`` of each class goes to ``dst/val`` and
     the rest to ``dst/train`` (MXNet's im2rec ``--train-ratio``). Images
@@ -259,7 +262,7 @@ def pack(
     ctx = ctx or Context()
 
     def listing():
-        images = list_folder(src, "SRC", s3=s3)
+        images = read_table(src, "SRC", s3, table) if is_table(src) else list_folder(src, "SRC", s3=s3)
         if val_split > 0:
             train, val = split_per_class(images, val_split, seed)
             parts = [(storage.join(dst, "train"), train), (storage.join(dst, "val"), val)]
@@ -276,7 +279,8 @@ def pack(
         return parts
 
     parts = ctx.on_root(listing, name="pack_list")
-    source = storage.open_store(src, s3)
+    # A CSV's images are read below its image root, a folder's below the folder.
+    source = storage.open_store(parts[0][1].prefix if is_table(src) else src, s3)
     written = {}
     for url, part in parts:
         out = storage.open_store(url, s3)
@@ -301,7 +305,7 @@ def _pack_share(images, source, out, shard_size, on_bad_image, seed, s3, src, al
     root = source.url.rstrip("/") + "/"
     order = np.random.default_rng(seed).permutation(len(images))
     mine = np.array_split(order, ctx.size)[ctx.rank]
-    fetcher = Fetcher(s3.concurrency if storage.is_s3(src) else 8)
+    fetcher = Fetcher(s3.concurrency if storage.is_s3(source.url) else 8)
 
     def read(i: int) -> bytes:
         return source.read(images.paths[i][len(root) :])

@@ -18,6 +18,7 @@ from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.storage import S3Options
+from hvd_train.data.table import TableOptions, is_table, read_table
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
@@ -28,8 +29,12 @@ log = get_logger("data")
 Data = ImageSet | ShardSet
 
 
-def open_data(url: str, flag: str, s3: S3Options, classes: list[str] | None = None) -> Data:
-    """The image folder or shard set at ``url`` (local or ``s3://``)."""
+def open_data(
+    url: str, flag: str, s3: S3Options, classes: list[str] | None = None, table: TableOptions | None = None
+) -> Data:
+    """The image folder, CSV of labels (read with ``table``) or shard set at ``url`` (local or ``s3://``)."""
+    if is_table(url):
+        return read_table(url, flag, s3, table, classes)
     if packed.is_shard_set(url, s3):
         return packed.load(url, flag, s3, classes)
     return list_folder(url, flag, classes=classes, s3=s3)
@@ -44,10 +49,11 @@ def evaluation_set(
     threads: int = 0,
     s3: S3Options | None = None,
     check: str = "quick",
+    table: TableOptions | None = None,
 ) -> Data:
     """Held-out images of ``path``, labelled with the trained ``classes``."""
     s3 = s3 or S3Options()
-    images = ctx.on_root(lambda: open_data(path, flag, s3, classes=classes), name="list_eval")
+    images = ctx.on_root(lambda: open_data(path, flag, s3, classes=classes, table=table), name="list_eval")
     return checked(images, flag, policy, ctx, threads, s3, check)
 
 

@@ -219,6 +219,16 @@ class S3Store(Store):
         """Every key below the prefix, however many, with its size."""
         return self._files_in_order([obj for page in self._pages(self.prefix, flag) for obj in self._objects(page)])
 
+    def children(self, rel: str, flag: str) -> tuple[list[str], list[str]]:
+        """The names of the sub-folders and of the files directly in folder ``rel`` (relative to the prefix; ""
+        for the prefix itself): a listing of one level, with ``/`` as delimiter."""
+        below = self.prefix + (rel + "/" if rel else "")
+        folders, files = [], []
+        for page in self._pages(below, flag, Delimiter="/"):
+            folders += [p["Prefix"][len(below) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+            files += [o["Key"][len(below) :] for o in page.get("Contents", []) if o["Key"] != below]
+        return folders, files
+
     def list_with_etags(self, flag: str) -> dict[str, tuple[int, str]]:
         """Every key below the prefix: ``{key relative to it: (size, ETag)}`` (an ETag is the MD5 of
         the object's body when it was uploaded whole)."""

@@ -385,9 +385,10 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
     s3 = cfg.s3_options()
 
     def listing():
-        train = open_data(cfg.train, "--data", s3)
+        table = cfg.table_options()
+        train = open_data(cfg.train, "--data", s3, table=table)
         if cfg.val:
-            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes)
+            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes, table=table)
         if cfg.val_split > 0:
             if isinstance(train, ShardSet):
                 raise UserError(

@@ -1,0 +1,472 @@
+"""Labels from a table: ``--data labels.csv``, local or ``s3://``.
+
+A CSV (or TSV) with a header row names each image and its label::
+
+    path,label
+    img/0001.jpg,cat
+    img/0002,dog
+
+The columns are found by their usual names (``PATH_COLUMNS``,
+``LABEL_COLUMNS``, any case) or named with ``--path-column`` and
+``--label-column``. An image's path is relative to the image root: the
+CSV's folder, or ``--image-root``. An absolute path or an ``s3://`` URL is
+taken when it lies below that root, and refused otherwise: a row never
+names a file outside the root it belongs to. A name without an image
+extension (Kaggle's ``id``) is found with the extensions read here.
+
+The result is an ``ImageSet`` in the order a folder's listing has: by
+class, then by path. So the same images given as a folder tree
+(``ROOT/<label>/<file>``) or as a CSV of ``<label>/<file>,<label>`` rows
+are the same list, the same hold-out and the same training.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import csv
+import io
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hvd_train.data import storage
+from hvd_train.data.folder import ImageSet, PathList, is_image_name
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("data")
+
+TABLE_SUFFIXES = (".csv", ".tsv")
+# Header names looked for, in this order, when no column is named (compared without case).
+PATH_COLUMNS = (
+    "path",
+    "filepath",
+    "file_path",
+    "file",
+    "filename",
+    "file_name",
+    "image",
+    "image_path",
+    "id",
+    "image_id",
+)
+LABEL_COLUMNS = ("label", "class", "category", "class_name", "target")
+# Rows that break the rules are listed up to this many in an error.
+SHOWN = 3
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """How a CSV of labels is read (``DataConfig``'s table fields).
+
+    Attributes:
+        path_column: the column of image paths ("": found by name).
+        label_column: the column of labels ("": found by name).
+        image_root: the folder or ``s3://`` prefix paths are relative to
+            ("": the CSV's folder).
+        min_per_label: fewest rows a label of the training set may have.
+    """
+
+    path_column: str = ""
+    label_column: str = ""
+    image_root: str = ""
+    min_per_label: int = 2
+
+
+def is_table(url: str) -> bool:
+    """Whether ``--data`` names a table of labels (by its suffix) rather than a folder or a shard set."""
+    return url.lower().endswith(TABLE_SUFFIXES)
+
+
+def read_table(
+    url: str, flag: str, s3=None, options: TableOptions | None = None, classes: list[str] | None = None
+) -> ImageSet:
+    """The images a CSV of labels names, checked against what is there.
+
+    Args:
+        url: the CSV, local or ``s3://``.
+        flag: the option that named it, for error messages.
+        s3: ``storage.S3Options`` for ``s3://`` tables or roots.
+        options: the columns, the image root and the fewest rows per label.
+        classes: the training classes, when reading held-out images: a label
+            then indexes into these, and any other label is an error.
+
+    Raises:
+        UserError: in one line, for a table that cannot be read, a column
+            that is not there, a row that breaks a rule (the first few
+            named by line), a file that is not there, a label on too few
+            images, or fewer than two labels.
+    """
+    options = options or TableOptions()
+    where, prefix, resolved = _resolved(url, flag, s3 or storage.S3Options(), options, labelled=True)
+    return _image_set(resolved, prefix, classes, options.min_per_label, where)
+
+
+def table_images(url: str, flag: str, options: TableOptions | None = None) -> list[str]:
+    """The image files a local CSV names, in the order of its rows, its labels not read (what ``predict`` takes).
+
+    Raises:
+        UserError: as ``read_table`` does, but for labels; and for a CSV or images in S3.
+    """
+    options = options or TableOptions()
+    where, prefix, resolved = _resolved(url, flag, storage.S3Options(), options, labelled=False)
+    if storage.is_s3(prefix):
+        raise UserError(f"{where} names images in S3; {flag} takes local images.")
+    return [prefix + name for _, name, _ in resolved]
+
+
+def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
+    """``(where, prefix, [(line, real path relative to prefix, label)])`` of the rows of a CSV, in its order."""
+    where = f"{flag} {storage.redact_url(url)}"
+    rows = _rows(_text(url, flag, s3, where), url, options, where, labelled)
+    prefix = _prefix(options.image_root or _folder_of(url))
+    hint = _root_hint(prefix)
+    wanted, problems = [], []
+    for line, value, label in rows:
+        rel, why = _relative(value, prefix)
+        if why:
+            problems.append(f"line {line}: {why}")
+        elif labelled and not label:
+            problems.append(f"line {line}: no label for {value}")
+        else:
+            wanted.append((line, value, rel, storage.nfc(label)))
+    _refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
+    if not wanted:
+        raise UserError(f"{where} names no images; add a row per image below its header.")
+    listing = _Listing(prefix, s3, where)
+    listing.find({storage.nfc(rel.rpartition("/")[0]) for _, _, rel, _ in wanted})
+    resolved, missing, unclear = [], [], []
+    for line, value, rel, label in wanted:
+        name, why = listing.resolve(rel)
+        if name is not None:
+            resolved.append((line, name, label))
+        else:
+            (unclear if why else missing).append(f"line {line}: {value}{why}")
+    _refuse(missing, f"{where}: {{n}} of {len(wanted)} image(s) it names are not in {_shown(prefix)}", hint)
+    _refuse(unclear, f"{where}: {{n}} row(s) name no one image file", "name each image's file")
+    first_line: dict[str, int] = {}
+    twice = []
+    for line, name, _ in resolved:
+        seen = first_line.setdefault(name, line)
+        if seen != line:
+            twice.append(f"{name} on lines {seen} and {line}")
+    _refuse(twice, f"{where}: {{n}} image(s) are on more than one row", "give each image one row")
+    return where, prefix, resolved
+
+
+def _text(url: str, flag: str, s3, where: str) -> str:
+    if storage.is_s3(url):
+        folder, _, name = url.rpartition("/")
+        store = storage.S3Store(folder + "/", s3)
+        if not name or not store.exists(name):
+            raise UserError(f"{where} does not exist; check the path.")
+        data = storage.read_url(url, s3)
+    else:
+        if os.path.isdir(url):
+            raise UserError(f"{where} is a folder; a table of labels is a CSV file.")
+        try:
+            with open(url, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise UserError(f"{where} does not exist; check the path.") from None
+        except OSError as e:
+            raise UserError(f"{where} cannot be read ({e.strerror}); check its permissions.") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError(
+            f"{where} is UTF-16 (Excel's Unicode text); save it as CSV UTF-8, or convert it (iconv -f utf-16 -t utf-8)."
+        )
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark, as Excel writes one, is not part of the header
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise UserError(
+            f"{where} is not UTF-8 (byte {data[e.start]:#04x} on line {line}); save it as UTF-8 "
+            f"(from Latin-1: iconv -f latin1 -t utf-8)."
+        ) from None
+
+
+def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool) -> list[tuple[int, str, str]]:
+    """``(line, path, label)`` of each row below the header, stripped (the other columns are not kept); not
+    ``labelled``: "" for a label, unless the CSV has a column of labels."""
+    first = text.split("\n", 1)[0]
+    if url.lower().endswith(".tsv"):
+        delimiter = "\t"
+    else:
+        try:
+            delimiter = csv.Sniffer().sniff(first, delimiters=",;\t").delimiter
+        except csv.Error:
+            delimiter = ","
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    header: list[str] | None = None
+    rows = []
+    try:
+        for cells in reader:
+            if not any(c.strip() for c in cells):
+                continue  # blank lines
+            if header is None:
+                header = [c.strip() for c in cells]
+                path_at = _column(header, options.path_column, PATH_COLUMNS, "--path-column", "image paths", where)
+                label_at = _column(
+                    header, options.label_column, LABEL_COLUMNS, "--label-column", "labels", where, labelled
+                )
+                continue
+            if len(cells) != len(header):
+                raise UserError(
+                    f"{where}: line {reader.line_num} has {len(cells)} column(s) where its header has "
+                    f"{len(header)} ({', '.join(header)}); quote a value that holds a {delimiter!r}, and end "
+                    f"no row with one."
+                )
+            rows.append((reader.line_num, cells[path_at].strip(), cells[label_at].strip() if label_at >= 0 else ""))
+    except csv.Error as e:
+        raise UserError(f"{where}: line {reader.line_num} cannot be read as CSV ({e}).") from None
+    if header is None:
+        raise UserError(f"{where} is empty; it needs a header row (e.g. path,label) and a row per image.")
+    return rows
+
+
+def _column(
+    header: list[str], named: str, usual: tuple[str, ...], option: str, what: str, where: str, needed: bool = True
+) -> int:
+    """The index of the column ``named`` or of the first ``usual`` one (-1: none, and not ``needed``)."""
+    lowered = [h.lower() for h in header]
+    if named:
+        if named.lower() not in lowered:
+            raise UserError(f"{where} has no column {named!r} ({option}); its columns are: {', '.join(header)}.")
+        return lowered.index(named.lower())
+    for name in usual:
+        if name in lowered:
+            return lowered.index(name)
+    if not needed:
+        return -1
+    if any("/" in h or is_image_name(h) for h in header):
+        raise UserError(
+            f"{where} has no header row: its first row ({', '.join(header)}) names an image; add a header "
+            f"such as path,label above it."
+        )
+    raise UserError(
+        f"{where} has no column of {what} ({'/'.join(usual[:4])}, ...); its columns are: "
+        f"{', '.join(header)}. Name it with {option}."
+    )
+
+
+def _prefix(folder: str) -> str:
+    """The image root as the paths below it start: with its ``/`` (``/`` for the file system's root)."""
+    if storage.is_s3(folder):
+        return folder.rstrip("/") + "/"
+    folder = os.path.abspath(folder)
+    return folder if folder.endswith("/") else folder + "/"
+
+
+def _shown(prefix: str) -> str:
+    return prefix.rstrip("/") or "/"
+
+
+def _folder_of(url: str) -> str:
+    if storage.is_s3(url):
+        return url.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(url))
+
+
+def _relative(value: str, prefix: str) -> tuple[str, str]:
+    """``value`` as a path relative to the image root ``prefix``, or why it cannot be one."""
+    if not value:
+        return "", "no image path"
+    if "\\" in value or "\0" in value:
+        return "", f"{value!r} holds a backslash or a NUL; write paths with '/'"
+    rel = value
+    if storage.is_s3(value) or value.startswith("/"):
+        if not value.startswith(prefix):
+            return "", f"{value} is not below the image root {_shown(prefix)}"
+        rel = value[len(prefix) :]
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts:
+        return "", f"{value} names no file"
+    if ".." in parts:
+        return "", f"{value} leaves the image root {_shown(prefix)} (..)"
+    return "/".join(parts), ""
+
+
+@dataclass
+class _Folder:
+    """One listed folder: its files and sub-folders by their names' NFC, and its images by their stem."""
+
+    files: dict[str, str] = field(default_factory=dict)
+    folders: dict[str, str] = field(default_factory=dict)
+    stems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+
+class _Listing:
+    """The folders the rows name, each listed once (not a look-up a row), matched by NFC.
+
+    A name as macOS writes it (decomposed accents) is found by the same name
+    typed elsewhere, in every segment of the path, as a folder's listing
+    finds it. Folders of one depth are listed at once on a pool of threads
+    (S3: a ListObjectsV2 stream each).
+    """
+
+    def __init__(self, prefix: str, s3, where: str):
+        self.prefix, self.where = prefix, where
+        self.store = storage.S3Store(prefix, s3) if storage.is_s3(prefix) else None
+        self.threads = max(1, s3.concurrency) if self.store else 16
+        self.listed: dict[str, _Folder | None] = {}  # real folder (relative) -> its listing; None: not there
+        self.real: dict[str, str | None] = {"": ""}  # NFC folder -> real folder
+        if self.store is None and not os.path.isdir(prefix):
+            raise UserError(f"{where}: the image root {_shown(prefix)} is not a folder; check --image-root.")
+
+    def find(self, folders: set[str]) -> None:
+        """Finds and lists ``folders`` (NFC, relative to the root) and the folders above them."""
+        wanted = {f for folder in folders for f in _with_parents(folder)}
+        for depth in range(max(map(_depth, wanted)) + 1):
+            level = sorted(f for f in wanted if _depth(f) == depth)
+            for folder in level[1 if depth == 0 else 0 :]:
+                parent, _, name = folder.rpartition("/")
+                above = self.real.get(parent)
+                listing = self.listed.get(above) if above is not None else None
+                real = listing.folders.get(name) if listing is not None else None
+                self.real[folder] = None if real is None else (above + "/" if above else "") + real
+            todo = [self.real[f] for f in level if self.real[f] is not None and self.real[f] not in self.listed]
+            with concurrent.futures.ThreadPoolExecutor(min(self.threads, max(1, len(todo)))) as pool:
+                for real, listing in zip(todo, pool.map(self._list, todo)):
+                    self.listed[real] = listing
+
+    def resolve(self, rel: str) -> tuple[str | None, str]:
+        """The real relative path of the file ``rel`` names (an id without extension found with one), or None
+        and why not ("" when it is not there)."""
+        folder, _, name = rel.rpartition("/")
+        real = self.real.get(storage.nfc(folder))
+        listing = self.listed.get(real) if real is not None else None
+        if listing is None:
+            return None, ""
+        name = storage.nfc(name)
+        if name in listing.files:
+            if not is_image_name(name):
+                return None, f" ({os.path.splitext(name)[1] or 'no extension'}: not an image read here)"
+            found = listing.files[name]
+        elif name in listing.folders:
+            return None, " (a folder)"
+        else:
+            matches = [] if is_image_name(name) else listing.stems.get(name, [])
+            if len(matches) > 1:
+                return None, f" (one id, several files: {', '.join(sorted(matches))})"
+            if not matches:
+                return None, ""
+            found = matches[0]
+        return (real + "/" if real else "") + found, ""
+
+    def _list(self, real: str) -> _Folder | None:
+        listing = _Folder()
+
+        def add(name: str, is_folder: bool) -> None:
+            key = storage.nfc(name)
+            if is_folder:
+                listing.folders[key] = name
+                return
+            listing.files[key] = name
+            if is_image_name(key):
+                listing.stems[key.rsplit(".", 1)[0]].append(name)
+
+        if self.store is not None:
+            folders, files = self.store.children(real, self.where)
+            for name in folders:
+                add(name, True)
+            for name in files:
+                add(name, False)
+            return listing if folders or files or not real else None
+        path = self.prefix + real
+        try:
+            with os.scandir(path or "/") as entries:
+                for entry in entries:
+                    try:
+                        kind = entry.is_dir(), entry.is_file()
+                    except OSError:  # a link in a loop: neither, as a broken link
+                        continue
+                    if any(kind):
+                        add(entry.name, kind[0])
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise UserError(f"{self.where}: cannot list {path} ({e.strerror}); check its permissions.") from None
+        return listing
+
+
+def _depth(folder: str) -> int:
+    """Segments of ``folder`` (0 for the root, "")."""
+    return folder.count("/") + 1 if folder else 0
+
+
+def _with_parents(folder: str) -> list[str]:
+    """``a/b/c`` -> ``a``, ``a/b``, ``a/b/c`` (and the root, "")."""
+    parts = folder.split("/") if folder else []
+    return ["", *("/".join(parts[: i + 1]) for i in range(len(parts)))]
+
+
+def _root_hint(prefix: str) -> str:
+    return f"paths are relative to {_shown(prefix)} (--image-root names another)"
+
+
+def _refuse(problems: list[str], what: str, fix: str) -> None:
+    if problems:
+        more = f" and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        raise UserError(
+            f"{what.format(n=len(problems))}: {'; '.join(problems[:SHOWN])}{more}" + (f"; {fix}." if fix else ".")
+        )
+
+
+def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, where: str) -> ImageSet:
+    labels = [label for _, _, label in resolved]
+    if classes is None:
+        names = sorted(set(labels))  # as class folders' names sort: the same classes, the same indices
+        counts = {name: 0 for name in names}
+        first: dict[str, int] = {}
+        for line, _, label in resolved:
+            counts[label] += 1
+            first.setdefault(label, line)
+        few = [f"{n!r} on {counts[n]} (line {first[n]})" for n in names if counts[n] < least]
+        _refuse(
+            few,
+            f"{where}: {{n}} label(s) are on fewer than {least} images",
+            "a typo? fix or remove those rows, or pass --min-images-per-label 1",
+        )
+        if len(names) < 2:
+            raise UserError(f"{where} has {len(names)} label ({', '.join(names)}); a classifier needs at least 2.")
+        _warn_of_lookalikes(names, where)
+        classes = names
+    else:
+        first_unknown = next(((line, label) for line, _, label in resolved if label not in classes), None)
+        if first_unknown:
+            line, label = first_unknown
+            raise UserError(
+                f"{where}: line {line} has label {label!r}, which is not a training class; training classes are: "
+                f"{', '.join(classes)}."
+            )
+    index = {c: i for i, c in enumerate(classes)}
+    order = sorted(range(len(resolved)), key=lambda i: (index[resolved[i][2]], storage.canonical_key(resolved[i][1])))
+    return ImageSet(
+        PathList.of(prefix, [resolved[i][1] for i in order]),
+        np.asarray([index[resolved[i][2]] for i in order], np.int32),
+        list(classes),
+        prefix=prefix,
+    )
+
+
+def _warn_of_lookalikes(names: list[str], where: str) -> None:
+    """A warning for labels that differ only in case, spaces or the form of a number (``Cat``/``cat``, ``1``/``1.0``),
+    which are as many classes."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        key = " ".join(name.casefold().split())
+        try:
+            key = repr(float(key))
+        except ValueError:
+            pass
+        groups[key].append(name)
+    alike = ["/".join(repr(n) for n in group) for group in groups.values() if len(group) > 1]
+    if alike:
+        log.warning(
+            "%s: labels %s differ only in case, spaces or the form of a number, and are as many classes; make them "
+            "one label in the CSV if they name one class",
+            where,
+            ", ".join(alike[:SHOWN]),
+        )

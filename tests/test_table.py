@@ -1,0 +1,243 @@
+"""A CSV of labels as ``--data``: what it names, where, and every row it refuses (one process, no job)."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+from hvd_train.data.folder import is_image_name, list_folder
+from hvd_train.data.table import TableOptions, is_table, read_table
+from hvd_train.errors import UserError
+
+from conftest import HVD_TRAIN, TINY, output_of, read_json, run_at_once, write_images
+
+COUNTS = {"cat": 3, "dog": 4, "owl": 2}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """``tmp_path/images/<class>/img-N.png``."""
+    return write_images(tmp_path / "images", COUNTS, size=8)
+
+
+def table(path, lines, encoding="utf-8"):
+    path.write_bytes("\n".join(lines).encode(encoding) + b"\n")
+    return str(path)
+
+
+def rows_of(tree, prefix=""):
+    """``prefix<class>/<file>,<class>`` for every image of ``tree``, in an order of their own (reversed)."""
+    found = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file() and is_image_name(p.name))
+    return [f"{prefix}{rel},{rel.split('/')[0]}" for rel in reversed(found)]
+
+
+def test_a_table_of_a_folders_images_is_the_folders_list_to_the_digest(tree):
+    """The same images, labels, classes and order as the folder tree gives: the same hold-out and training."""
+    csv = table(tree / "labels.csv", ["path,label", *rows_of(tree)])
+    assert is_table(csv) and is_table("s3://b/x/LABELS.CSV") and not is_table(str(tree))
+    listed, read = list_folder(str(tree)), read_table(csv, "--data")
+    assert read.classes == ["cat", "dog", "owl"] and read.counts() == [3, 4, 2]
+    assert list(read.paths) == list(listed.paths) and np.array_equal(read.labels, listed.labels)
+    assert read.digest == listed.digest and read.prefix == listed.prefix
+
+
+def test_columns_are_found_by_their_usual_names_or_named_and_ids_without_extension_are_found(tmp_path):
+    flat = tmp_path / "train"
+    flat.mkdir()
+    for i, label in enumerate(["a", "b", "a", "b"]):
+        write_images(tmp_path / "made", {label: 1})
+        os.replace(tmp_path / "made" / label / "img-000.png", flat / f"{i:04d}.png")
+    # Kaggle's layout: a flat folder, an id column without extension, labels in "Category", semicolons.
+    csv = table(tmp_path / "train.csv", ["\ufeffId;Category", *(f"train/{i:04d};{'ab'[i % 2]}" for i in range(4))])
+    read = read_table(csv, "--data")
+    assert read.classes == ["a", "b"] and read.relative(0) == "train/0000.png" and read.labels.tolist() == [0, 0, 1, 1]
+    named = table(tmp_path / "named.csv", ["file,kind,x", *(f"train/{i:04d}.png,{'ab'[i % 2]},1" for i in range(4))])
+    assert read_table(named, "--data", options=TableOptions(label_column="Kind")) == read
+    with pytest.raises(UserError, match=r"named.csv has no column of labels \(label/class/category/class_name, "):
+        read_table(named, "--data")
+    with pytest.raises(UserError, match=r"has no column 'tag' \(--label-column\); its columns are: file, kind, x"):
+        read_table(named, "--data", options=TableOptions(label_column="tag"))
+
+
+def test_a_path_below_the_image_root_is_taken_and_any_other_is_refused_by_line(tree, tmp_path):
+    inside = table(tmp_path / "in.csv", ["path,label", *rows_of(tree, f"{tree}/")])
+    assert read_table(inside, "--data", options=TableOptions(image_root=str(tree))) == list_folder(str(tree))
+    rows = rows_of(tree, "./")
+    beside = f"{tree}-2/cat/img-000.png,cat"  # a folder whose name starts with the root's
+    outside = ("../images/cat/img-000.png,cat", "/etc/passwd,cat", "s3://bucket/cat/x.png,cat", beside)
+    for bad in (*outside, "a\\b.png,cat"):
+        csv = table(tmp_path / "labels.csv", ["path,label", *rows, bad])
+        with pytest.raises(UserError) as refused:
+            read_table(csv, "--data", options=TableOptions(image_root=str(tree)))
+        message = str(refused.value)
+        assert "\n" not in message and f"line {len(rows) + 2}: " in message, message
+        assert message.startswith(f"--data {csv}: 1 row(s) cannot be used"), message
+
+
+def test_names_written_on_macos_are_found_by_the_same_names_typed_elsewhere(tree):
+    """A class folder, a folder in it and a file named in decomposed accents (NFD, as macOS writes them), the CSV's
+    rows in composed ones (NFC): the folder's list to the digest."""
+    nfd, nfc = "cafe\u0301", "caf\u00e9"
+    os.replace(tree / "cat", tree / nfd)
+    (tree / "dog" / nfd).mkdir()
+    os.replace(tree / "dog" / "img-000.png", tree / "dog" / nfd / f"{nfd}.png")
+    listed = list_folder(str(tree))
+    rows = [f"{listed.relative(i)},{listed.classes[label]}" for i, label in enumerate(listed.labels.tolist())]
+    assert any(f"dog/{nfc}/{nfc}.png" in row for row in rows) and f"{nfc}/img-000.png,{nfc}" in rows
+    read = read_table(table(tree / "labels.csv", ["path,label", *rows]), "--data")
+    assert list(read.paths) == list(listed.paths) and read.digest == listed.digest and read.classes == listed.classes
+    assert (tree / "dog" / nfd / f"{nfd}.png").as_posix() in list(read.paths)
+
+
+def test_the_file_systems_root_as_image_root_and_files_that_are_no_one_image(tree, tmp_path, caplog):
+    rows = rows_of(tree, f"{tree}/")
+    csv = table(tmp_path / "abs.csv", ["path,label", *rows])
+    read = read_table(csv, "--data", options=TableOptions(image_root="/"))
+    assert read.prefix == "/" and list(read.paths) == list(list_folder(str(tree)).paths)
+    from hvd_train.data import packed
+    from hvd_train.data.storage import S3Options
+
+    packed.pack(csv, str(tmp_path / "packed"), shard_size=10**6, on_bad_image="fail", seed=1, s3=S3Options(),
+                table=TableOptions(image_root="/"))  # fmt: skip
+    assert packed.load(str(tmp_path / "packed"), "--data").class_counts == (3, 4, 2)
+    (tree / "cat" / "loop").symlink_to("loop")
+    (tree / "cat" / "two.png").write_bytes(b"")
+    (tree / "cat" / "two.JPG").write_bytes(b"")
+    (tree / "cat" / "d.png").mkdir()
+    os.replace(tree / "dog" / "img-000.png", tree / "dog" / "mixed.Jpeg")
+    odd = ["cat/loop/x.png,cat", "cat/two,cat", "cat/d.png,cat", "dog/img-000,dog", "dog/mixed,dog"]
+    csv = table(tree / "odd.csv", ["path,label", *rows_of(tree)[:2], *odd[1:3]])
+    with pytest.raises(UserError) as refused:
+        read_table(csv, "--data")
+    assert str(refused.value).endswith(
+        "2 row(s) name no one image file: line 4: cat/two (one id, several files: two.JPG, two.png); "
+        "line 5: cat/d.png (a folder); name each image's file."
+    ), refused.value
+    csv = table(tree / "odd.csv", ["path,label", *rows_of(tree)[:2], *odd[:1], *odd[3:]])
+    with pytest.raises(
+        UserError, match=r": 2 of 5 image\(s\) it names are not in .*: line 4: cat/loop/x.png; line 5: "
+    ):
+        read_table(csv, "--data")
+    # An id whose file's extension is in another case is found, and labels alike in all but case are warned of.
+    csv = table(tree / "alike.csv", ["path,label", *rows_of(tree)[:2], "dog/mixed,Owl", "cat/img-001,Owl"])
+    with caplog.at_level("WARNING", logger="hvd_train"):
+        read = read_table(csv, "--data")
+    assert read.classes == ["Owl", "owl"] and "dog/mixed.Jpeg" in list(read.paths.relatives())
+    assert any("labels 'Owl'/'owl' differ only in case" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_missing_images_duplicate_rows_and_too_few_images_of_a_label_are_counted_and_the_first_named(tree):
+    rows = rows_of(tree)
+    csv = table(tree / "gone.csv", ["path,label", *rows, *(f"cat/gone-{i}.png,cat" for i in range(5))])
+    with pytest.raises(UserError, match=rf"5 of {len(rows) + 5} image\(s\) it names are not in {tree}: line 11: "):
+        read_table(csv, "--data")
+    csv = table(tree / "twice.csv", ["path,label", *rows, rows[0]])
+    with pytest.raises(UserError, match=r"1 image\(s\) are on more than one row: owl/img-001.png on lines 2 and 11"):
+        read_table(csv, "--data")
+    assert rows[2] == "dog/img-003.png,dog"
+    csv = table(tree / "typo.csv", ["path,label", *rows[:2], "dog/img-003.png,dgo", *rows[3:]])
+    with pytest.raises(UserError, match=r"1 label\(s\) are on fewer than 2 images: 'dgo' on 1 \(line 4\).*-label 1"):
+        read_table(csv, "--data")
+    assert read_table(csv, "--data", options=TableOptions(min_per_label=1)).classes == ["cat", "dgo", "dog", "owl"]
+
+
+def test_held_out_labels_index_the_training_classes_and_another_label_is_refused(tree):
+    csv = table(tree / "val.csv", ["path,label", "dog/img-000.png,dog", "owl/img-000.png,owl"])
+    held = read_table(csv, "--val-data", classes=["cat", "dog", "owl"])
+    assert held.labels.tolist() == [1, 2] and held.counts() == [0, 1, 1]
+    with pytest.raises(UserError, match=r"--val-data .*val.csv: line 3 has label 'owl', which is not a training class"):
+        read_table(csv, "--val-data", classes=["cat", "dog"])
+
+
+def test_a_table_that_is_no_utf8_or_no_table_is_one_line(tree, tmp_path):
+    latin = table(tmp_path / "latin.csv", ["path,label", "cat/img-000.png,chat", "dog/img-000.png,café"], "latin-1")
+    with pytest.raises(UserError, match=r"latin.csv is not UTF-8 \(byte 0xe9 on line 3\); save it as UTF-8"):
+        read_table(latin, "--data", options=TableOptions(image_root=str(tree)))
+    for lines, said in (
+        ([], "is empty; it needs a header row"),
+        (["path,label"], "names no images"),
+        (["path,label", "cat/img-000.png,cat,x"], "line 2 has 3 column(s) where its header has 2"),
+    ):
+        with pytest.raises(UserError, match=re.escape(said)):
+            read_table(table(tmp_path / "t.csv", lines), "--data")
+    with pytest.raises(UserError, match="does not exist; check the path"):
+        read_table(str(tmp_path / "none.csv"), "--data")
+    utf16 = table(tmp_path / "excel.csv", ["\ufeffpath,label", "cat/img-000.png,cat"], "utf-16-le")
+    with pytest.raises(UserError, match=r"excel.csv is UTF-16 \(Excel's Unicode text\); save it as CSV UTF-8"):
+        read_table(utf16, "--data")
+    headless = table(tmp_path / "headless.csv", ["cat/img-000.png,cat", "dog/img-000.png,dog"])
+    with pytest.raises(UserError, match=r"has no header row: its first row \(cat/img-000.png, cat\) names an image"):
+        read_table(headless, "--data")
+
+
+def test_pack_writes_the_shards_of_the_folder_from_its_csv(tree, tmp_path):
+    """The same records, byte for byte: the CSV's rows name the images below its folder, as the folder lists them."""
+    from hvd_train.data import packed
+    from hvd_train.data.storage import S3Options
+
+    csv = table(tree / "labels.csv", ["path,label", *rows_of(tree)])
+    options = dict(shard_size=400, on_bad_image="skip", seed=3, s3=S3Options())
+    packed.pack(str(tree), str(tmp_path / "folder"), **options)
+    packed.pack(csv, str(tmp_path / "csv"), **options)
+    shards = sorted(p.name for p in (tmp_path / "folder").glob("shard-*"))
+    assert len(shards) > 1 and shards == sorted(p.name for p in (tmp_path / "csv").glob("shard-*"))
+    for name in shards:
+        assert (tmp_path / "folder" / name).read_bytes() == (tmp_path / "csv" / name).read_bytes(), name
+
+
+@pytest.mark.multiprocess  # two processes at once
+def test_a_csv_of_a_folders_images_trains_the_folders_model_and_evaluate_scores_it_alike(demo_small, tmp_path):
+    """The demo's images given as a folder and as a CSV elsewhere (``--image-root``): the same hold-out, the same
+    weights to the bit, the same held-out score; ``evaluate`` of the CSV scores what it scores of the folder."""
+    from hvd_train.compat import keras
+
+    csv = table(tmp_path / "labels.csv", ["image,class", *rows_of(demo_small)])
+    given = {"folder": [demo_small], "csv": [csv, "--image-root", demo_small]}
+    runs = {name: tmp_path / name for name in given}
+    options = [*TINY, "--val-split", "0.2", "--deterministic"]
+    trained = run_at_once(
+        *([*HVD_TRAIN, "train", "--data", *data, "--output", runs[name], *options] for name, data in given.items())
+    )
+    for proc in trained:
+        assert proc.returncode == 0, output_of(proc)
+    folder, csv_run = (read_json(runs[name] / "summary.json") for name in given)
+    assert csv_run["val_images"] == folder["val_images"] == 25
+    assert (csv_run["val_accuracy"], csv_run["val_loss"]) == (folder["val_accuracy"], folder["val_loss"])
+    models = [keras.models.load_model(runs[name] / "model.keras", compile=False) for name in given]
+    for mine, theirs in zip(*(m.get_weights() for m in models)):
+        np.testing.assert_array_equal(mine, theirs)
+    # predict takes a CSV of paths alone (no labels), and answers in its rows' order.
+    shuffled = [row.split(",")[0] for row in rows_of(demo_small)][::7]
+    shuffled = shuffled[1::2] + shuffled[::2]
+    paths = table(tmp_path / "paths.csv", ["file", *shuffled])
+    evaluate = [*HVD_TRAIN, "evaluate", "--model-dir", runs["csv"], "--data"]
+    predict = [*HVD_TRAIN, "predict", "--model-dir", runs["csv"], paths, "--image-root", demo_small]
+    *scored, predicted = run_at_once(
+        *([*evaluate, *data, "--report", tmp_path / f"{name}.json"] for name, data in given.items()),
+        [*predict, "--output", tmp_path / "p.csv"],
+    )
+    for proc in [*scored, predicted]:
+        assert proc.returncode == 0, output_of(proc)
+    by_folder, by_csv = (read_json(tmp_path / f"{name}.json") for name in given)
+    assert by_csv["images"] == by_folder["images"] == 115
+    assert (by_csv["accuracy"], by_csv["loss"]) == (by_folder["accuracy"], by_folder["loss"])
+    answers = (tmp_path / "p.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in answers[1:]] == [f"{demo_small}/{rel}" for rel in shuffled]
+
+
+def test_evaluate_and_pack_take_the_csvs_options_and_refuse_them_with_no_csv():
+    import argparse
+
+    from hvd_train.commands._common import add_table_arguments, table_options
+
+    for training, argv in ((True, ["--min-images-per-label", "1"]), (False, [])):
+        parser = argparse.ArgumentParser()
+        add_table_arguments(parser, training=training)
+        args = parser.parse_args(["--image-root", "s3://b/images", "--label-column", "kind", *argv])
+        least = 1 if training else 2
+        assert table_options(args, "s3://b/Labels.csv") == TableOptions("", "kind", "s3://b/images", least)
+        with pytest.raises(UserError, match=r"^--image-root tells how a CSV of labels is read, and d/ is none; leave"):
+            table_options(args, "d/")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--min-images-per-label", "1"])  # evaluate's classes are the training's
