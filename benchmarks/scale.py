@@ -11,10 +11,12 @@ tree uploaded to a moto server on 127.0.0.1 (its own Python request
 overhead limits it to the smaller trees).
 
     python benchmarks/scale.py [--sizes 10000,100000,300000,1280000] [--np 1] [--check quick]
-                               [--s3 10000] [--pack 20000]
+                               [--s3 10000] [--csv 300000] [--pack 20000]
 
 ``--np N`` runs N workers under ``horovodrun`` (memory is then the largest
-rank's). ``--pack N`` also times ``hvd-train pack`` of an N-file tree with 1, 2 and 4
+rank's). ``--csv`` repeats sizes with the same tree given as a CSV of labels
+(``--data tree.csv``, a row per image, written beside the tree). ``--pack
+N`` also times ``hvd-train pack`` of an N-file tree with 1, 2 and 4
 processes (``horovodrun -np``).
 
 Prints a Markdown table and the growth from each size to the next;
@@ -155,7 +157,9 @@ def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1
             marks["listed+checked"] = now
         if re.search(r"steps/epoch", line):
             marks["model+state"] = now
-        if re.search(r"(^|>:)step 1/", line):  # horovodrun prefixes "[rank]<stdout>:"
+        # The first step's line: "step N/" after the first call of --steps-per-call steps (horovodrun
+        # prefixes "[rank]<stdout>:").
+        if re.search(r"(^|>:)step \d+/", line):
             marks["first_step"] = now
             peak = max((peak_rss_mb(pid) or 0.0) for pid in ranks_of(proc.pid))
             proc.send_signal(signal.SIGTERM)
@@ -165,6 +169,16 @@ def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1
     if "first_step" not in marks:
         raise RuntimeError("no first step:\n" + "\n".join(lines[-30:]))
     return {**marks, "peak_rss_mb": peak, "list_mb": held, "log": lines}
+
+
+def write_csv(tree: Path, path: Path) -> Path:
+    """A CSV of labels naming every image of ``tree`` (``tree/<class>/<file>,<class>``), beside it."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("path,label\n")
+        for folder in sorted(os.scandir(tree), key=lambda e: e.name):
+            for image in os.scandir(folder.path):
+                f.write(f"{tree.name}/{folder.name}/{image.name},{folder.name}\n")
+    return path
 
 
 def list_cost(n: int) -> dict:
@@ -211,6 +225,7 @@ def main() -> int:
     parser.add_argument("--check", default="quick", help="--check-images for the runs")
     parser.add_argument("--np", type=int, default=1, help="workers (horovodrun --gloo) for the local runs")
     parser.add_argument("--s3", default="", help="sizes to repeat from S3 (moto on 127.0.0.1), e.g. 10000")
+    parser.add_argument("--csv", default="", help="sizes to repeat given as a CSV of labels, e.g. 300000")
     parser.add_argument("--work", default="", help="where the trees go (default: a temporary folder)")
     parser.add_argument("--pack", type=int, default=0, help="also time hvd-train pack of this many files")
     parser.add_argument("--pack-processes", default="1,2,4")
@@ -230,6 +245,13 @@ def main() -> int:
             rows.append(("local", n, made, result))
             print(_row("local", n, result), flush=True)
             shutil.rmtree(work / f"out-{n}", ignore_errors=True)
+            if str(n) in args.csv.split(","):
+                table = write_csv(tree, work / f"tree-{n}.csv")
+                rows.append(
+                    ("csv", n, 0.0, start_to_first_step(str(table), work / f"out-csv-{n}", args.check, env, args.np))
+                )
+                print(_row("csv", n, rows[-1][3]), flush=True)
+                shutil.rmtree(work / f"out-csv-{n}", ignore_errors=True)
             if str(n) in args.s3.split(","):
                 rows.append(("s3", n, 0.0, _s3_run(tree, n, work, args.check, env)))
                 print(_row("s3", n, rows[-1][3]), flush=True)

@@ -58,6 +58,7 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--min-images-per-label", "0"], "--min-images-per-label"),
         (["--image-root", "elsewhere"], "--image-root"),  # --data d is a folder: the option would do nothing
         (["--label-column", "kind"], "--label-column"),
+        (["--min-images-per-label", "1"], "--min-images-per-label"),
     ],
 )
 def test_invalid_values_name_the_flag(argv, flag):

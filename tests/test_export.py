@@ -89,17 +89,21 @@ def exports(colour_run, colours, tmp_path_factory):
 
     int8 calibrates on given images among which two cannot be decoded: they are left out, as training
     leaves them out. (Without --calibration-data the run's own training images are used: the stopped
-    export below shows it.)
+    export below shows it.) float16 is checked on all 60 images, given as a CSV of labels kept apart
+    from them.
     """
     root = tmp_path_factory.mktemp("exported")
     calibration = root / "calibration"
     shutil.copytree(colours, calibration)
     png_with_a_corrupt_middle(calibration / "red" / "middle.png")
     (calibration / "blue" / "empty.jpg").write_bytes(b"")
+    rows = [f"{p.relative_to(colours).as_posix()},{p.parent.name}" for p in sorted(colours.rglob("*.png"))]
+    (root / "colours.csv").write_text("\n".join(["file,colour", *rows]) + "\n")
     quantized = ["--format", "tflite,onnx", "--check", "--quantize"]
+    table = ["--check-data", root / "colours.csv", "--image-root", colours, "--label-column", "colour"]
     extra = {
         "every format": ["--check"],
-        "float16": [*quantized, "float16"],
+        "float16": [*quantized, "float16", *table],
         "int8": [*quantized, "int8", "--calibration-data", calibration],
     }
     folders = {name: root / name.replace(" ", "-") / "export" for name in extra}
@@ -202,6 +206,8 @@ def test_quantized_files_meet_their_goals_calibrated_without_undecodable_images(
     for result in manifest["check"]["formats"]:
         assert result["passed"], result
         assert result["top1_agreement"] >= (0.98 if quantize == "int8" else 0.995)
+    if quantize == "float16":  # checked on the images its CSV names
+        assert manifest["check"]["images"] == 60 and manifest["check"]["source"].endswith("colours.csv")
     if quantize == "int8":
         # Calibrated on the 60 images that can be decoded, for both files, recorded.
         assert "int8 calibration: skipping 2 image(s) that cannot be decoded" in proc.stderr

@@ -119,6 +119,9 @@ def test_a_csv_in_s3_or_naming_s3_urls_lists_the_images_the_s3_folder_lists(s3, 
     urls.write_text("".join(f"{r},{c}\n" for r, c in [("image", "class"), *((f"{root}/{r}", c) for r, c in rows)]))
     elsewhere = TableOptions(image_root=root)
     assert read_table(str(urls), "--data", OPTIONS, elsewhere) == expected
+    # A root written with an empty segment is the prefix its store lists, as the URLs of the rows are.
+    doubled = read_table(str(urls), "--data", OPTIONS, TableOptions(image_root=f"s3://{bucket}//pets/"))
+    assert list(doubled.paths) == list(expected.paths)
     with open(urls, "a") as f:
         f.write(f"s3://{bucket}/other/x.png,cat\n{root}/cat/gone.png,cat\n")
     with pytest.raises(UserError, match=rf"line 7: s3://{bucket}/other/x.png is not below the image root {root}"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hvd_train.data.folder import is_image_name, list_folder
+from hvd_train.data.storage import nfc as storage_nfc
 from hvd_train.data.table import TableOptions, is_table, read_table
 from hvd_train.errors import UserError
 
@@ -167,8 +168,14 @@ def test_a_table_that_is_no_utf8_or_no_table_is_one_line(tree, tmp_path):
     with pytest.raises(UserError, match=r"excel.csv is UTF-16 \(Excel's Unicode text\); save it as CSV UTF-8"):
         read_table(utf16, "--data")
     headless = table(tmp_path / "headless.csv", ["cat/img-000.png,cat", "dog/img-000.png,dog"])
-    with pytest.raises(UserError, match=r"has no header row: its first row \(cat/img-000.png, cat\) names an image"):
+    with pytest.raises(UserError, match=r"its columns are: cat/img-000.png, cat. Name it with --label-column, or, "):
         read_table(headless, "--data")
+    # Excel's first line naming the delimiter is read as such; a header that no delimiter splits is named.
+    excel = table(tmp_path / "excel-sep.csv", ["sep=;", "path;label", "cat/img-000.png;cat", "dog/img-000.png;dog"])
+    assert read_table(excel, "--data", options=TableOptions(image_root=str(tree), min_per_label=1)).counts() == [1, 1]
+    glued = table(tmp_path / "glued.tsv", ["path,label", "cat/img-000.png,cat"])
+    with pytest.raises(UserError, match=r"its header 'path,label' is one column split by no '\\t'; write the table"):
+        read_table(glued, "--data")
 
 
 def test_pack_writes_the_shards_of_the_folder_from_its_csv(tree, tmp_path):
@@ -226,18 +233,63 @@ def test_a_csv_of_a_folders_images_trains_the_folders_model_and_evaluate_scores_
     assert [line.split(",")[0] for line in answers[1:]] == [f"{demo_small}/{rel}" for rel in shuffled]
 
 
-def test_evaluate_and_pack_take_the_csvs_options_and_refuse_them_with_no_csv():
+def test_the_other_commands_take_the_csvs_options_and_refuse_them_with_no_csv():
     import argparse
 
-    from hvd_train.commands._common import add_table_arguments, table_options
+    from hvd_train.commands._common import CSV_LABELS, CSV_PATHS, CSV_TRAINING, add_csv_arguments, csv_options
 
-    for training, argv in ((True, ["--min-images-per-label", "1"]), (False, [])):
+    for names, argv, least in (
+        ((*CSV_PATHS, *CSV_TRAINING), ["--label-column", "kind", "--min-images-per-label", "1"], 1),  # pack
+        ((*CSV_PATHS, *CSV_LABELS), ["--label-column", "kind"], 2),  # evaluate, export
+        (CSV_PATHS, [], 2),  # predict: no labels
+    ):
         parser = argparse.ArgumentParser()
-        add_table_arguments(parser, training=training)
-        args = parser.parse_args(["--image-root", "s3://b/images", "--label-column", "kind", *argv])
-        least = 1 if training else 2
-        assert table_options(args, "s3://b/Labels.csv") == TableOptions("", "kind", "s3://b/images", least)
+        add_csv_arguments(parser, *names)
+        args = parser.parse_args(["--image-root", "s3://b/images", *argv])
+        kind = "kind" if argv else ""
+        assert csv_options(args, "d/", "s3://b/Labels.csv") == TableOptions("", kind, "s3://b/images", least)
         with pytest.raises(UserError, match=r"^--image-root tells how a CSV of labels is read, and d/ is none; leave"):
-            table_options(args, "d/")
+            csv_options(args, "d/", "")
     with pytest.raises(SystemExit):
-        parser.parse_args(["--min-images-per-label", "1"])  # evaluate's classes are the training's
+        parser.parse_args(["--label-column", "kind"])  # predict reads no labels
+    args = argparse.Namespace(min_images_per_label=3)
+    with pytest.raises(UserError, match=r"^--min-images-per-label tells how a CSV of labels is read, and d is none"):
+        csv_options(args, "d")
+    with pytest.raises(UserError, match=r"^--min-images-per-label tells how .*, and none is given; leave it out"):
+        csv_options(args, None, None)  # export with neither --check-data nor --calibration-data
+
+
+def test_predict_refuses_a_csv_or_images_in_s3_before_reading_anything():
+    from hvd_train.data.table import table_images
+
+    for url, options in (("s3://b/x.csv", None), ("/tmp/x.csv", TableOptions(image_root="s3://b/images"))):
+        with pytest.raises(UserError, match=r": the CSV and its images must be local; PATH reads no S3"):
+            table_images(url, "PATH", options)
+
+
+def test_two_names_alike_but_in_unicode_form_are_each_their_own_file_and_a_third_form_is_refused(tmp_path):
+    """Linux and S3 hold both ``é`` forms side by side: a row names the one it spells, never the other."""
+    nfc, nfd, mixed = "\u00e9\u00e9", "e\u0301e\u0301", "\u00e9e\u0301"
+    write_images(tmp_path / "t", {"a": 2, "b": 2}, size=4)
+    os.replace(tmp_path / "t" / "a" / "img-000.png", tmp_path / "t" / "a" / f"{nfc}.png")
+    os.replace(tmp_path / "t" / "a" / "img-001.png", tmp_path / "t" / "a" / f"{nfd}.png")
+    csv = table(tmp_path / "t" / "l.csv", ["path,label", f"a/{nfd}.png,a", f"a/{nfc}.png,a", "b/img-000.png,b"])
+    read = read_table(csv, "--data", options=TableOptions(min_per_label=1))
+    listed = list_folder(str(tmp_path / "t"))
+    assert sorted(read.paths) == sorted(listed.paths)[:3] and len({storage_nfc(p) for p in read.paths}) == 2
+    csv = table(tmp_path / "t" / "l.csv", ["path,label", f"a/{mixed}.png,a", "b/img-000.png,b"])
+    with pytest.raises(
+        UserError, match=r"1 row\(s\) name no one image file: line 2: .* \(names 2 entries, in two Unic"
+    ):
+        read_table(csv, "--data", options=TableOptions(min_per_label=1))
+
+
+def test_a_hidden_file_is_refused_and_an_absolute_path_is_read_as_the_root_writes_it(tree, tmp_path):
+    rows = rows_of(tree)
+    (tree / "cat" / "._img-000.png").write_bytes(b"resource fork")
+    csv = table(tmp_path / "h.csv", ["path,label", *rows, "cat/._img-000.png,cat"])
+    with pytest.raises(UserError, match=r"line 11: cat/._img-000.png names a hidden file or folder \(._img-000.png\)"):
+        read_table(csv, "--data", options=TableOptions(image_root=str(tree)))
+    doubled = [f"/{tree}//{row}" for row in rows]
+    csv = table(tmp_path / "d.csv", ["path,label", *doubled])
+    assert read_table(csv, "--data", options=TableOptions(image_root=str(tree))).digest == list_folder(str(tree)).digest

@@ -51,36 +51,52 @@ def add_alpha_argument(parser: argparse.ArgumentParser, default: str | None, hel
     parser.add_argument("--alpha-background", choices=ALPHA_BACKGROUNDS, default=default, help=help)
 
 
-# DataConfig's options of a CSV of labels, which the commands that read labelled images take as train does.
-TABLE_FIELDS = ("image_root", "path_column", "label_column", "min_images_per_label")
+# DataConfig's options of a CSV of labels, which the other commands that read one take as train does.
+CSV_PATHS = ("image_root", "path_column")  # where the images are: every command that reads a CSV
+CSV_LABELS = ("label_column",)  # what labels them: evaluate and export's checks
+CSV_TRAINING = ("label_column", "min_images_per_label")  # pack, whose CSV is a training set
 
 
-def add_table_arguments(parser: argparse.ArgumentParser, training: bool = True) -> None:
-    """``--image-root``, ``--path-column``, ``--label-column`` and (``training``) ``--min-images-per-label``, as
-    ``train`` has them."""
+def add_csv_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
+    """DataConfig's options ``names`` (``CSV_PATHS`` and the like), with the flags and help ``train`` has."""
     import dataclasses
 
     from hvd_train.config import DataConfig
 
     for f in dataclasses.fields(DataConfig):
-        if f.name in TABLE_FIELDS[: None if training else -1]:
+        if f.name in names:
             kind = positive_int if isinstance(f.default, int) else str
             parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
 
 
-def table_options(args: argparse.Namespace, data: str):
-    """The ``data.table.TableOptions`` of ``add_table_arguments``' options, for the CSV ``data``.
+def csv_options(args: argparse.Namespace, *urls: str):
+    """The ``data.table.TableOptions`` of the options ``add_csv_arguments`` gave, for the data ``urls``.
 
     Raises:
-        UserError: such an option is given and ``data`` is no CSV of labels.
+        UserError: such an option is given and none of ``urls`` is a CSV of labels (it would do nothing).
     """
     from hvd_train.data.table import TableOptions, is_table
     from hvd_train.errors import UserError
 
+    default = TableOptions()
     options = TableOptions(
-        args.path_column, args.label_column, args.image_root, getattr(args, "min_images_per_label", 2)
+        getattr(args, "path_column", default.path_column),
+        getattr(args, "label_column", default.label_column),
+        getattr(args, "image_root", default.image_root),
+        getattr(args, "min_images_per_label", default.min_per_label),
     )
-    given = [f"--{name.replace('_', '-')}" for name in TABLE_FIELDS[:-1] if getattr(args, name)]
-    if given and not is_table(data):
-        raise UserError(f"{given[0]} tells how a CSV of labels is read, and {data} is none; leave it out.")
+    given = [
+        flag
+        for flag, value, unset in (
+            ("--image-root", options.image_root, default.image_root),
+            ("--path-column", options.path_column, default.path_column),
+            ("--label-column", options.label_column, default.label_column),
+            ("--min-images-per-label", options.min_per_label, default.min_per_label),
+        )
+        if value != unset
+    ]
+    named = [url for url in urls if url]
+    if given and not any(map(is_table, named)):
+        what = f"{named[0]} is none" if named else "none is given"
+        raise UserError(f"{given[0]} tells how a CSV of labels is read, and {what}; leave it out.")
     return options

@@ -6,7 +6,13 @@ import argparse
 import os
 
 from hvd_train import files
-from hvd_train.commands._common import add_table_arguments, add_trained_model_arguments, table_options
+from hvd_train.commands._common import (
+    CSV_LABELS,
+    CSV_PATHS,
+    add_csv_arguments,
+    add_trained_model_arguments,
+    csv_options,
+)
 
 SHOWN = 25  # classes and pairs printed when there are many classes
 
@@ -25,7 +31,7 @@ def add_parser(subparsers) -> None:
         required=True,
         help="labelled image folder, CSV of labels or shard set, local or s3://, classes as in training",
     )
-    add_table_arguments(parser, training=False)
+    add_csv_arguments(parser, *CSV_PATHS, *CSV_LABELS)
     parser.add_argument(
         "--report",
         help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",
@@ -45,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
 
-    table = table_options(args, args.data)  # refused before anything starts
+    table = csv_options(args, args.data)  # refused before anything starts
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.

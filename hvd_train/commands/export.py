@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import os
 
-from hvd_train.commands._common import add_s3_endpoint_argument, positive_int
+from hvd_train.commands._common import (
+    CSV_LABELS,
+    CSV_PATHS,
+    add_csv_arguments,
+    add_s3_endpoint_argument,
+    csv_options,
+    positive_int,
+)
 
 FORMATS = ("savedmodel", "tflite", "onnx")
 QUANTIZATIONS = ("none", "float16", "int8")
@@ -55,7 +62,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--calibration-data",
         metavar="PATH",
-        help="int8: a local folder of images to calibrate on (default: the run's training images)",
+        help="int8: a local folder (or CSV) of images to calibrate on (default: the run's training images)",
     )
     parser.add_argument(
         "--check",
@@ -72,6 +79,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--top-k", type=positive_int, default=5, help="class indices and names the SavedModel returns (default: 5)"
     )
+    add_csv_arguments(parser, *CSV_PATHS, *CSV_LABELS)
     add_s3_endpoint_argument(parser)
     parser.set_defaults(run=run)
 
@@ -87,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.training import s3_mirror
 
     log = get_logger("export")
+    args.table = csv_options(args, args.check_data, args.calibration_data)
     ctx = start.init()
     if ctx.size > 1:
         raise UserError("hvd-train export runs as one process: run it without horovodrun or mpirun.")
@@ -217,7 +226,7 @@ def _calibration(args, data):
     from hvd_train.results.export.parity import Images
 
     if args.calibration_data:
-        paths = expand([args.calibration_data])
+        paths = expand([args.calibration_data], args.table)
         source = args.calibration_data
     else:
         fix = "pass --calibration-data with a local folder of training-like images."
@@ -252,7 +261,7 @@ def _check_images(args, data, trained, ctx):
         from hvd_train.config import DataConfig
 
         s3 = DataConfig(s3_endpoint=args.s3_endpoint).s3_options()
-        images = open_data(args.check_data, "--check-data", s3, classes=trained.classes)
+        images = open_data(args.check_data, "--check-data", s3, classes=trained.classes, table=args.table)
         source = args.check_data
     else:
         _, images = data

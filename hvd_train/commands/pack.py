@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hvd_train.commands._common import add_alpha_argument, add_table_arguments, table_options
+from hvd_train.commands._common import CSV_PATHS, CSV_TRAINING, add_alpha_argument, add_csv_arguments, csv_options
 
 
 def add_parser(subparsers) -> None:
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
     add_alpha_argument(parser, default="white", help="colour transparent pixels are composited over, stored as PNG")
     parser.add_argument("--s3-endpoint", default="", help="URL of an S3-compatible store (default: AWS_ENDPOINT_URL)")
     parser.add_argument("--s3-concurrency", type=int, default=32, help="S3 requests in flight")
-    add_table_arguments(parser)
+    add_csv_arguments(parser, *CSV_PATHS, *CSV_TRAINING)
     parser.set_defaults(run=run)
 
 
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--val-split {args.val_split} is invalid; use a fraction in [0, 1).")
     if args.s3_concurrency < 1:
         raise UserError(f"--s3-concurrency {args.s3_concurrency} is invalid; use a whole number >= 1.")
-    table = table_options(args, args.src)
+    table = csv_options(args, args.src)
     s3 = storage.S3Options(endpoint=args.s3_endpoint, concurrency=args.s3_concurrency)
     # Under horovodrun/mpirun every rank packs a part; alone, one process packs all.
     ctx = start.init()

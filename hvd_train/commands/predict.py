@@ -7,7 +7,7 @@ import csv
 import os
 import sys
 
-from hvd_train.commands._common import add_table_arguments, add_trained_model_arguments, table_options
+from hvd_train.commands._common import CSV_PATHS, add_csv_arguments, add_trained_model_arguments, csv_options
 
 
 def add_parser(subparsers) -> None:
@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
     add_trained_model_arguments(parser)
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders, or CSVs naming images")
     parser.add_argument("--output", default="-", help="CSV file to write (default: standard output)")
-    add_table_arguments(parser, training=False)
+    add_csv_arguments(parser, *CSV_PATHS)
     parser.set_defaults(run=run)
 
 
@@ -57,12 +57,11 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.pipeline import predict_dataset
     from hvd_train.data.sources import checked
     from hvd_train.data.storage import S3Options
-    from hvd_train.data.table import is_table
     from hvd_train.distributed import start
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
 
-    table = table_options(args, next((p for p in args.paths if is_table(p)), args.paths[0]))
+    table = csv_options(args, *args.paths)
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     args.model_dir = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3)[0], name="open_run")

@@ -16,19 +16,21 @@ from hvd_train.errors import UserError
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks every value; raises UserError naming the flag and the fix."""
     d, m, o, h, r = cfg.data, cfg.model, cfg.optim, cfg.horovod, cfg.run
-    _require(bool(d.train), "--data", d.train, "give the image folder to train on")
+    _require(bool(d.train), "--data", d.train, "give the image folder, CSV of labels or shard set to train on")
     _require(bool(r.output), "--output", r.output, "give a folder for the results")
     _require(0.0 <= d.val_split < 1.0, "--val-split", d.val_split, "use a fraction in [0, 1)")
     _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
     _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
     _require(d.min_images_per_label >= 1, "--min-images-per-label", d.min_images_per_label, "use a whole number >= 1")
     tables = is_table(d.train) or is_table(d.val)
-    for flag, value in (
-        ("--image-root", d.image_root),
-        ("--path-column", d.path_column),
-        ("--label-column", d.label_column),
+    for flag, value, unset in (
+        ("--image-root", d.image_root, ""),
+        ("--path-column", d.path_column, ""),
+        ("--label-column", d.label_column, ""),
+        ("--min-images-per-label", d.min_images_per_label, 2),
     ):
-        _require(not value or tables, flag, value, "it tells how a CSV of labels is read, and --data names no CSV")
+        why = "it tells how a CSV of labels is read, and neither --data nor --val-data names one"
+        _require(value == unset or tables, flag, value, why)
     _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
     _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
     _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")

@@ -10,9 +10,10 @@ The columns are found by their usual names (``PATH_COLUMNS``,
 ``LABEL_COLUMNS``, any case) or named with ``--path-column`` and
 ``--label-column``. An image's path is relative to the image root: the
 CSV's folder, or ``--image-root``. An absolute path or an ``s3://`` URL is
-taken when it lies below that root, and refused otherwise: a row never
-names a file outside the root it belongs to. A name without an image
-extension (Kaggle's ``id``) is found with the extensions read here.
+taken when it lies below that root, and refused otherwise, as is ``..``: a
+row's path never leaves its root (a symbolic link below the root is
+followed, as in a folder tree). A name without an image extension (Kaggle's
+``id``) is found with the extensions read here, in any letter case.
 
 The result is an ``ImageSet`` in the order a folder's listing has: by
 class, then by path. So the same images given as a folder tree
@@ -22,17 +23,17 @@ are the same list, the same hold-out and the same training.
 
 from __future__ import annotations
 
-import concurrent.futures
 import csv
 import io
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from hvd_train.data import storage
-from hvd_train.data.folder import ImageSet, PathList, is_image_name
+from hvd_train.data.folder import ImageSet, PathList
+from hvd_train.data.table_files import Listing
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -111,17 +112,17 @@ def table_images(url: str, flag: str, options: TableOptions | None = None) -> li
         UserError: as ``read_table`` does, but for labels; and for a CSV or images in S3.
     """
     options = options or TableOptions()
+    if storage.is_s3(url) or storage.is_s3(options.image_root):
+        raise UserError(f"{flag} {storage.redact_url(url)}: the CSV and its images must be local; {flag} reads no S3.")
     where, prefix, resolved = _resolved(url, flag, storage.S3Options(), options, labelled=False)
-    if storage.is_s3(prefix):
-        raise UserError(f"{where} names images in S3; {flag} takes local images.")
     return [prefix + name for _, name, _ in resolved]
 
 
 def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
     """``(where, prefix, [(line, real path relative to prefix, label)])`` of the rows of a CSV, in its order."""
     where = f"{flag} {storage.redact_url(url)}"
-    rows = _rows(_text(url, flag, s3, where), url, options, where, labelled)
-    prefix = _prefix(options.image_root or _folder_of(url))
+    prefix = _prefix(options.image_root or _folder_of(url), where)
+    rows = _rows(_text(url, s3, where), url, options, where, labelled)
     hint = _root_hint(prefix)
     wanted, problems = [], []
     for line, value, label in rows:
@@ -135,8 +136,8 @@ def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
     _refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
     if not wanted:
         raise UserError(f"{where} names no images; add a row per image below its header.")
-    listing = _Listing(prefix, s3, where)
-    listing.find({storage.nfc(rel.rpartition("/")[0]) for _, _, rel, _ in wanted})
+    listing = Listing(prefix, s3, where)
+    listing.find({rel.rpartition("/")[0] for _, _, rel, _ in wanted})
     resolved, missing, unclear = [], [], []
     for line, value, rel, label in wanted:
         name, why = listing.resolve(rel)
@@ -156,11 +157,12 @@ def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
     return where, prefix, resolved
 
 
-def _text(url: str, flag: str, s3, where: str) -> str:
+def _text(url: str, s3, where: str) -> str:
     if storage.is_s3(url):
-        folder, _, name = url.rpartition("/")
-        store = storage.S3Store(folder + "/", s3)
-        if not name or not store.exists(name):
+        bucket, _, key = url[len("s3://") :].partition("/")
+        if not bucket or not key:
+            raise UserError(f"{where} names no object; write s3://BUCKET/KEY.csv.")
+        if not storage.S3Store(f"s3://{bucket}/", s3).exists(key):
             raise UserError(f"{where} does not exist; check the path.")
         data = storage.read_url(url, s3)
     else:
@@ -190,8 +192,10 @@ def _text(url: str, flag: str, s3, where: str) -> str:
 def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool) -> list[tuple[int, str, str]]:
     """``(line, path, label)`` of each row below the header, stripped (the other columns are not kept); not
     ``labelled``: "" for a label, unless the CSV has a column of labels."""
-    first = text.split("\n", 1)[0]
-    if url.lower().endswith(".tsv"):
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if first.lower().startswith("sep=") and len(first.strip()) == 5:  # Excel's line naming the delimiter
+        delimiter, text = first.strip()[4], text.replace(first, "", 1)
+    elif url.lower().endswith(".tsv"):
         delimiter = "\t"
     else:
         try:
@@ -207,10 +211,17 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                 continue  # blank lines
             if header is None:
                 header = [c.strip() for c in cells]
-                path_at = _column(header, options.path_column, PATH_COLUMNS, "--path-column", "image paths", where)
+                if len(header) == 1 and any(d in header[0] for d in ",;\t"):
+                    raise UserError(
+                        f"{where}: its header {header[0]!r} is one column split by no {delimiter!r}; write the "
+                        f"table with one delimiter, commas in a .csv, tabs in a .tsv."
+                    )
+                path_at = _column(header, options.path_column, PATH_COLUMNS, "--path-column", "", where, False)
                 label_at = _column(
                     header, options.label_column, LABEL_COLUMNS, "--label-column", "labels", where, labelled
                 )
+                if path_at < 0:
+                    _no_column(header, PATH_COLUMNS, "--path-column", "image paths", where, labelled)
                 continue
             if len(cells) != len(header):
                 raise UserError(
@@ -222,7 +233,8 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
     except csv.Error as e:
         raise UserError(f"{where}: line {reader.line_num} cannot be read as CSV ({e}).") from None
     if header is None:
-        raise UserError(f"{where} is empty; it needs a header row (e.g. path,label) and a row per image.")
+        example = "path,label" if labelled else "path"
+        raise UserError(f"{where} is empty; it needs a header row (e.g. {example}) and a row per image.")
     return rows
 
 
@@ -238,23 +250,28 @@ def _column(
     for name in usual:
         if name in lowered:
             return lowered.index(name)
-    if not needed:
-        return -1
-    if any("/" in h or is_image_name(h) for h in header):
-        raise UserError(
-            f"{where} has no header row: its first row ({', '.join(header)}) names an image; add a header "
-            f"such as path,label above it."
-        )
+    if needed:
+        _no_column(header, usual, option, what, where, True)
+    return -1
+
+
+def _no_column(header: list[str], usual: tuple[str, ...], option: str, what: str, where: str, labelled: bool):
+    example = "path,label" if labelled else "path"
     raise UserError(
-        f"{where} has no column of {what} ({'/'.join(usual[:4])}, ...); its columns are: "
-        f"{', '.join(header)}. Name it with {option}."
+        f"{where} has no column of {what} ({'/'.join(usual[:4])}, ...); its columns are: {', '.join(header)}. "
+        f"Name it with {option}, or, if that row is the first image's, add a header such as {example} above it."
     )
 
 
-def _prefix(folder: str) -> str:
-    """The image root as the paths below it start: with its ``/`` (``/`` for the file system's root)."""
+def _prefix(folder: str, where: str) -> str:
+    """The image root as the paths below it start: with its ``/`` (``/`` for the file system's root), an S3
+    prefix as its store keys it (``s3://b//p`` is ``s3://b/p/``)."""
     if storage.is_s3(folder):
-        return folder.rstrip("/") + "/"
+        bucket, _, key = folder[len("s3://") :].partition("/")
+        if not bucket:
+            raise UserError(f"{where}: the image root {folder} names no bucket; write s3://BUCKET/PREFIX.")
+        key = key.strip("/")
+        return f"s3://{bucket}/" + (key + "/" if key else "")
     folder = os.path.abspath(folder)
     return folder if folder.endswith("/") else folder + "/"
 
@@ -275,131 +292,25 @@ def _relative(value: str, prefix: str) -> tuple[str, str]:
         return "", "no image path"
     if "\\" in value or "\0" in value:
         return "", f"{value!r} holds a backslash or a NUL; write paths with '/'"
-    rel = value
-    if storage.is_s3(value) or value.startswith("/"):
-        if not value.startswith(prefix):
-            return "", f"{value} is not below the image root {_shown(prefix)}"
-        rel = value[len(prefix) :]
+    head, rel = "", value
+    if storage.is_s3(value):
+        head, rel = "s3://", value[len("s3://") :]
+    elif value.startswith("/"):
+        head = "/"
     parts = [p for p in rel.split("/") if p not in ("", ".")]
-    if not parts:
-        return "", f"{value} names no file"
     if ".." in parts:
         return "", f"{value} leaves the image root {_shown(prefix)} (..)"
+    if head:  # an absolute path or a URL, written out as the root's paths are
+        whole = head + "/".join(parts)
+        if not whole.startswith(prefix):
+            return "", f"{value} is not below the image root {_shown(prefix)}"
+        parts = whole[len(prefix) :].split("/") if whole != prefix.rstrip("/") else []
+    if not parts or not parts[-1]:
+        return "", f"{value} names no file"
+    hidden = next((p for p in parts if p.startswith(".")), None)
+    if hidden:
+        return "", f"{value} names a hidden file or folder ({hidden}), which a folder's listing passes over"
     return "/".join(parts), ""
-
-
-@dataclass
-class _Folder:
-    """One listed folder: its files and sub-folders by their names' NFC, and its images by their stem."""
-
-    files: dict[str, str] = field(default_factory=dict)
-    folders: dict[str, str] = field(default_factory=dict)
-    stems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-
-
-class _Listing:
-    """The folders the rows name, each listed once (not a look-up a row), matched by NFC.
-
-    A name as macOS writes it (decomposed accents) is found by the same name
-    typed elsewhere, in every segment of the path, as a folder's listing
-    finds it. Folders of one depth are listed at once on a pool of threads
-    (S3: a ListObjectsV2 stream each).
-    """
-
-    def __init__(self, prefix: str, s3, where: str):
-        self.prefix, self.where = prefix, where
-        self.store = storage.S3Store(prefix, s3) if storage.is_s3(prefix) else None
-        self.threads = max(1, s3.concurrency) if self.store else 16
-        self.listed: dict[str, _Folder | None] = {}  # real folder (relative) -> its listing; None: not there
-        self.real: dict[str, str | None] = {"": ""}  # NFC folder -> real folder
-        if self.store is None and not os.path.isdir(prefix):
-            raise UserError(f"{where}: the image root {_shown(prefix)} is not a folder; check --image-root.")
-
-    def find(self, folders: set[str]) -> None:
-        """Finds and lists ``folders`` (NFC, relative to the root) and the folders above them."""
-        wanted = {f for folder in folders for f in _with_parents(folder)}
-        for depth in range(max(map(_depth, wanted)) + 1):
-            level = sorted(f for f in wanted if _depth(f) == depth)
-            for folder in level[1 if depth == 0 else 0 :]:
-                parent, _, name = folder.rpartition("/")
-                above = self.real.get(parent)
-                listing = self.listed.get(above) if above is not None else None
-                real = listing.folders.get(name) if listing is not None else None
-                self.real[folder] = None if real is None else (above + "/" if above else "") + real
-            todo = [self.real[f] for f in level if self.real[f] is not None and self.real[f] not in self.listed]
-            with concurrent.futures.ThreadPoolExecutor(min(self.threads, max(1, len(todo)))) as pool:
-                for real, listing in zip(todo, pool.map(self._list, todo)):
-                    self.listed[real] = listing
-
-    def resolve(self, rel: str) -> tuple[str | None, str]:
-        """The real relative path of the file ``rel`` names (an id without extension found with one), or None
-        and why not ("" when it is not there)."""
-        folder, _, name = rel.rpartition("/")
-        real = self.real.get(storage.nfc(folder))
-        listing = self.listed.get(real) if real is not None else None
-        if listing is None:
-            return None, ""
-        name = storage.nfc(name)
-        if name in listing.files:
-            if not is_image_name(name):
-                return None, f" ({os.path.splitext(name)[1] or 'no extension'}: not an image read here)"
-            found = listing.files[name]
-        elif name in listing.folders:
-            return None, " (a folder)"
-        else:
-            matches = [] if is_image_name(name) else listing.stems.get(name, [])
-            if len(matches) > 1:
-                return None, f" (one id, several files: {', '.join(sorted(matches))})"
-            if not matches:
-                return None, ""
-            found = matches[0]
-        return (real + "/" if real else "") + found, ""
-
-    def _list(self, real: str) -> _Folder | None:
-        listing = _Folder()
-
-        def add(name: str, is_folder: bool) -> None:
-            key = storage.nfc(name)
-            if is_folder:
-                listing.folders[key] = name
-                return
-            listing.files[key] = name
-            if is_image_name(key):
-                listing.stems[key.rsplit(".", 1)[0]].append(name)
-
-        if self.store is not None:
-            folders, files = self.store.children(real, self.where)
-            for name in folders:
-                add(name, True)
-            for name in files:
-                add(name, False)
-            return listing if folders or files or not real else None
-        path = self.prefix + real
-        try:
-            with os.scandir(path or "/") as entries:
-                for entry in entries:
-                    try:
-                        kind = entry.is_dir(), entry.is_file()
-                    except OSError:  # a link in a loop: neither, as a broken link
-                        continue
-                    if any(kind):
-                        add(entry.name, kind[0])
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as e:
-            raise UserError(f"{self.where}: cannot list {path} ({e.strerror}); check its permissions.") from None
-        return listing
-
-
-def _depth(folder: str) -> int:
-    """Segments of ``folder`` (0 for the root, "")."""
-    return folder.count("/") + 1 if folder else 0
-
-
-def _with_parents(folder: str) -> list[str]:
-    """``a/b/c`` -> ``a``, ``a/b``, ``a/b/c`` (and the root, "")."""
-    parts = folder.split("/") if folder else []
-    return ["", *("/".join(parts[: i + 1]) for i in range(len(parts)))]
 
 
 def _root_hint(prefix: str) -> str:
@@ -442,7 +353,11 @@ def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, whe
                 f"{', '.join(classes)}."
             )
     index = {c: i for i, c in enumerate(classes)}
-    order = sorted(range(len(resolved)), key=lambda i: (index[resolved[i][2]], storage.canonical_key(resolved[i][1])))
+    # Names alike in all but their Unicode form (a tie of the canonical key) in the order of their bytes.
+    order = sorted(
+        range(len(resolved)),
+        key=lambda i: (index[resolved[i][2]], storage.canonical_key(resolved[i][1]), resolved[i][1]),
+    )
     return ImageSet(
         PathList.of(prefix, [resolved[i][1] for i in order]),
         np.asarray([index[resolved[i][2]] for i in order], np.int32),
