@@ -85,16 +85,7 @@ def csv_options(args: argparse.Namespace, *urls: str):
         getattr(args, "image_root", default.image_root),
         getattr(args, "min_images_per_label", default.min_per_label),
     )
-    given = [
-        flag
-        for flag, value, unset in (
-            ("--image-root", options.image_root, default.image_root),
-            ("--path-column", options.path_column, default.path_column),
-            ("--label-column", options.label_column, default.label_column),
-            ("--min-images-per-label", options.min_per_label, default.min_per_label),
-        )
-        if value != unset
-    ]
+    given = [flag for flag, _ in options.given()]
     named = [url for url in urls if url]
     if given and not any(map(is_table, named)):
         what = f"{named[0]} is none" if named else "none is given"

@@ -22,15 +22,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _require(d.image_size == 0 or d.image_size >= 32, "--image-size", d.image_size, "use 0 or >= 32")
     _require(d.batch_size >= 1, "--batch-size", d.batch_size, "use a whole number >= 1")
     _require(d.min_images_per_label >= 1, "--min-images-per-label", d.min_images_per_label, "use a whole number >= 1")
-    tables = is_table(d.train) or is_table(d.val)
-    for flag, value, unset in (
-        ("--image-root", d.image_root, ""),
-        ("--path-column", d.path_column, ""),
-        ("--label-column", d.label_column, ""),
-        ("--min-images-per-label", d.min_images_per_label, 2),
-    ):
-        why = "it tells how a CSV of labels is read, and neither --data nor --val-data names one"
-        _require(value == unset or tables, flag, value, why)
+    if not (is_table(d.train) or is_table(d.val)):
+        for flag, value in d.table_options().given()[:1]:
+            why = "it tells how a CSV of labels is read, and neither --data nor --val-data names one"
+            _require(False, flag, value, why)
     _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
     _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
     _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")

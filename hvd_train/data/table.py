@@ -75,6 +75,19 @@ class TableOptions:
     image_root: str = ""
     min_per_label: int = 2
 
+    def given(self) -> list[tuple[str, object]]:
+        """``(flag, value)`` of each option that is not its default: what a command with no CSV refuses."""
+        unset = TableOptions()
+        flags = {
+            "image_root": "--image-root",
+            "path_column": "--path-column",
+            "label_column": "--label-column",
+            "min_per_label": "--min-images-per-label",
+        }
+        return [
+            (flag, getattr(self, name)) for name, flag in flags.items() if getattr(self, name) != getattr(unset, name)
+        ]
+
 
 def is_table(url: str) -> bool:
     """Whether ``--data`` names a table of labels (by its suffix) rather than a folder or a shard set."""
@@ -136,6 +149,8 @@ def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
     _refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
     if not wanted:
         raise UserError(f"{where} names no images; add a row per image below its header.")
+    if not storage.is_s3(prefix) and not os.path.isdir(prefix):
+        raise UserError(f"{where}: the image root {_shown(prefix)} is not a folder; check --image-root.")
     listing = Listing(prefix, s3, where)
     listing.find({rel.rpartition("/")[0] for _, _, rel, _ in wanted})
     resolved, missing, unclear = [], [], []

@@ -51,20 +51,20 @@ class Listing:
         self.threads = max(1, s3.concurrency) if self.store else 16
         self.listed: dict[str, _Folder | None] = {}  # real folder (relative) -> its listing; None: not there
         self.real: dict[str, tuple[str | None, str]] = {"": ("", "")}  # a row's folder -> (real folder, why not)
-        if self.store is None and not os.path.isdir(prefix):
-            shown = prefix.rstrip("/") or "/"
-            raise UserError(f"{where}: the image root {shown} is not a folder; check --image-root.")
 
     def find(self, folders: set[str]) -> None:
         """Finds and lists ``folders`` (as the rows write them, relative to the root) and the folders above them."""
-        wanted = {f for folder in folders for f in _with_parents(folder)}
-        for depth in range(1, max(map(_depth, wanted)) + 2):
-            above = [f for f in wanted if _depth(f) == depth - 1]
-            todo = sorted({r for r, _ in map(self.real.get, above) if r is not None and r not in self.listed})
+        levels: dict[int, list[str]] = defaultdict(list)  # the folders by their depth
+        for found in {f for folder in folders for f in _with_parents(folder)}:
+            levels[_depth(found)].append(found)
+        for depth in range(1, max(levels) + 2):
+            todo = sorted(
+                {r for r, _ in map(self.real.get, levels[depth - 1]) if r is not None and r not in self.listed}
+            )
             with concurrent.futures.ThreadPoolExecutor(min(self.threads, max(1, len(todo)))) as pool:
                 for real, listing in zip(todo, pool.map(self._list, todo)):
                     self.listed[real] = listing
-            for folder in (f for f in wanted if _depth(f) == depth):
+            for folder in levels[depth]:
                 parent, _, name = folder.rpartition("/")
                 real_parent, why = self.real[parent]
                 listing = self.listed.get(real_parent) if real_parent is not None else None
@@ -122,7 +122,7 @@ class Listing:
             return listing if folders or files or not real else None
         path = self.prefix + real
         try:
-            with os.scandir(path or "/") as entries:
+            with os.scandir(path) as entries:
                 for entry in entries:
                     try:
                         kind = entry.is_dir(), entry.is_file()
