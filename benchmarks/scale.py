@@ -11,11 +11,14 @@ tree uploaded to a moto server on 127.0.0.1 (its own Python request
 overhead limits it to the smaller trees).
 
     python benchmarks/scale.py [--sizes 10000,100000,300000,1280000] [--np 1] [--check quick]
-                               [--s3 10000] [--csv 300000] [--pack 20000]
+                               [--s3 10000] [--csv 300000] [--records 300000] [--pack 20000]
 
 ``--np N`` runs N workers under ``horovodrun`` (memory is then the largest
 rank's). ``--csv`` repeats sizes with the same tree given as a CSV of labels
-(``--data tree.csv``, a row per image, written beside the tree). ``--pack
+(``--data tree.csv``, a row per image, written beside the tree).
+``--records`` repeats sizes packed (``hvd-train pack``), and with the same
+records written again as Model Garden's ImageNet files: read with no index
+(one worker, then two), and from the index kept. ``--pack
 N`` also times ``hvd-train pack`` of an N-file tree with 1, 2 and 4
 processes (``horovodrun -np``).
 
@@ -107,7 +110,7 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
-def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1) -> dict:
+def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1, extra: tuple = ()) -> dict:
     """Runs ``np`` workers until the first step, then stops them; the times of the phases from the log."""
     launcher = []
     if np > 1:
@@ -140,6 +143,7 @@ def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1
         "--log-every",
         "1",
         "--no-tensorboard",
+        *extra,
     ]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -153,6 +157,9 @@ def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1
         found = re.search(r"the list takes ([\d.]+) MB", line)
         if found:
             held = float(found.group(1))
+        found = re.search(r"read \d+ records of \d+ TFRecord files in ([\d.]+) s", line)
+        if found:
+            marks["records_read"] = float(found.group(1))
         if "training images" in line and "listed+checked" not in marks:
             marks["listed+checked"] = now
         if re.search(r"steps/epoch", line):
@@ -169,6 +176,59 @@ def start_to_first_step(data: str, out: Path, check: str, env: dict, np: int = 1
     if "first_step" not in marks:
         raise RuntimeError("no first step:\n" + "\n".join(lines[-30:]))
     return {**marks, "peak_rss_mb": peak, "list_mb": held, "log": lines}
+
+
+def write_garden(tree: Path, work: Path, env: dict) -> Path:
+    """``tree`` packed (``hvd-train pack``, shards of 32 MB), then its records written again as Model Garden's
+    ImageNet files are (``train-0000i-of-0000n``: ``image/encoded``, ``image/class/label`` from 1, the class
+    name as ``image/class/synset``). Returns the pack's folder; the other is ``work/garden``."""
+    from hvd_train.compat import tf
+    from hvd_train.data import packed
+
+    shards = work / "packed"
+    cmd = [sys.executable, "-m", "hvd_train", "pack", str(tree), str(shards), "--overwrite", "--shard-size", "32MB"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True)
+    shard_set = packed.load(str(shards), "--data")
+    garden = work / "garden"
+    garden.mkdir(exist_ok=True)
+
+    def feature(**kind):
+        return tf.train.Feature(**kind)
+
+    for i, shard in enumerate(shard_set.shards):
+        framed = []
+        for record in packed.unframe((shards / shard.file).read_bytes(), shard.images, shard.file):
+            ours = tf.train.Example.FromString(record).features.feature
+            label = ours["image/class/label"].int64_list.value[0]
+            fields = {
+                "image/encoded": ours["image/encoded"],
+                "image/class/label": feature(int64_list=tf.train.Int64List(value=[label + 1])),
+                "image/class/synset": feature(bytes_list=tf.train.BytesList(value=[shard_set.classes[label].encode()])),
+            }
+            framed.append(
+                packed.frame(tf.train.Example(features=tf.train.Features(feature=fields)).SerializeToString())
+            )
+        (garden / f"train-{i:05d}-of-{len(shard_set.shards):05d}").write_bytes(b"".join(framed))
+    return shards
+
+
+def records_runs(tree: Path, n: int, work: Path, check: str, env: dict) -> list[tuple[str, dict]]:
+    """Start-up on the pack of ``tree``, then on the same records as another tool's files: with no index (one
+    worker, then two), and from the index the first run kept."""
+    shards = write_garden(tree, work, env)
+    garden = f"{work / 'garden'}/train-*"
+    whole = ("--val-split", "0")
+    runs = [("pack's shards", start_to_first_step(str(shards), work / "out-shards", check, env, 1, whole))]
+    offset = (*whole, "--label-offset", "1")
+    for name, np in (("records, no index, 2 workers", 2), ("records, no index", 1), ("records, index kept", 1)):
+        if "no index" in name:
+            for index in (work / "garden").glob("hvd_train-index-*"):
+                index.unlink()
+        runs.append((name, start_to_first_step(garden, work / f"out-{np}-{len(runs)}", check, env, np, offset)))
+        print(_row(name, n, runs[-1][1]), f"(records read in {runs[-1][1].get('records_read', 0):.1f} s)", flush=True)
+    shutil.rmtree(work / "garden", ignore_errors=True)
+    shutil.rmtree(shards, ignore_errors=True)
+    return runs
 
 
 def write_csv(tree: Path, path: Path) -> Path:
@@ -226,6 +286,9 @@ def main() -> int:
     parser.add_argument("--np", type=int, default=1, help="workers (horovodrun --gloo) for the local runs")
     parser.add_argument("--s3", default="", help="sizes to repeat from S3 (moto on 127.0.0.1), e.g. 10000")
     parser.add_argument("--csv", default="", help="sizes to repeat given as a CSV of labels, e.g. 300000")
+    parser.add_argument(
+        "--records", default="", help="sizes to repeat packed, and as another tool's TFRecords, e.g. 300000"
+    )
     parser.add_argument("--work", default="", help="where the trees go (default: a temporary folder)")
     parser.add_argument("--pack", type=int, default=0, help="also time hvd-train pack of this many files")
     parser.add_argument("--pack-processes", default="1,2,4")
@@ -252,6 +315,8 @@ def main() -> int:
                 )
                 print(_row("csv", n, rows[-1][3]), flush=True)
                 shutil.rmtree(work / f"out-csv-{n}", ignore_errors=True)
+            if str(n) in args.records.split(","):
+                rows += [(name, n, 0.0, r) for name, r in records_runs(tree, n, work, args.check, env)]
             if str(n) in args.s3.split(","):
                 rows.append(("s3", n, 0.0, _s3_run(tree, n, work, args.check, env)))
                 print(_row("s3", n, rows[-1][3]), flush=True)

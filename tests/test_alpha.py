@@ -140,8 +140,9 @@ def test_pack_stores_composited_pngs_and_leaves_opaque_images_byte_for_byte(fold
     assert shard_set.alpha_background == "black"
     opaque = (folder / "c0" / "opaque.png").read_bytes()
     seen = 0
+    parse = shard_set.features.parser()
     for record in tf.data.TFRecordDataset(str(tmp_path / "s" / "shard-00000.tfrecord")):
-        contents, _ = packed.parse(record)
+        contents, _ = parse(record)
         data = contents.numpy()
         if data == opaque:
             continue

@@ -132,6 +132,40 @@ def test_a_csv_in_s3_or_naming_s3_urls_lists_the_images_the_s3_folder_lists(s3, 
         read_table(str(urls), "--data", OPTIONS, elsewhere)
 
 
+def test_other_tools_records_in_s3_read_as_the_same_local_files_and_keep_their_index_beside_them(s3, tmp_path, caplog):
+    """Model Garden's records in a bucket: the set the same local files are, the index kept in the bucket beside
+    them (their ETags its stamps) and read the next time."""
+    import logging
+
+    from test_records import pairs, rewrite
+
+    from hvd_train.data import records
+    from hvd_train.data.features import RecordOptions
+
+    caplog.set_level(logging.INFO, logger="hvd_train")
+    server, bucket = s3
+    local = write_images(tmp_path / "data", {"cat": 2, "dog": 3}, size=4)
+    packed.pack(str(local), str(tmp_path / "packed"), shard_size=400, on_bad_image="skip", seed=3, s3=OPTIONS)
+    garden = tmp_path / "garden"
+    names = rewrite(tmp_path / "packed", garden, offset=1, text="image/class/synset")
+    (garden / "README.txt").write_text("not a record")
+    client = server.client()
+    for path in garden.iterdir():
+        client.put_object(Bucket=bucket, Key=f"garden/{path.name}", Body=path.read_bytes())
+    options = RecordOptions(label_offset=1)
+    expected = records.load(str(garden), "--data", OPTIONS, options)
+    url = f"s3://{bucket}/garden/"
+    assert records.is_records(url, OPTIONS) and not records.is_records(f"s3://{bucket}/", OPTIONS)
+    remote = records.load(url, "--data", OPTIONS, options)
+    assert remote.classes == expected.classes and [s.file for s in remote.shards] == names
+    assert [s.offsets for s in remote.shards] == [s.offsets for s in expected.shards]
+    assert pairs(remote) == pairs(expected) and len(pairs(remote)) == 5
+    kept = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="garden/hvd_train-index-")["Contents"]]
+    assert len(kept) == 1 and f"the index is s3://{bucket}/{kept[0]}" in caplog.text
+    caplog.clear()
+    assert records.load(url, "--data", OPTIONS, options) == remote and "from the index s3://" in caplog.text
+
+
 def test_missing_bucket_names_the_bucket(s3):
     with pytest.raises(UserError, match=r"bucket 'no-such-bucket-here' does not exist.*--data"):
         list_folder("s3://no-such-bucket-here/x/", "--data", s3=OPTIONS)

@@ -15,6 +15,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def natural_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0. Received: {text!r}")
+    return value
+
+
 def endpoint_url(text: str) -> str:
     if text and not text.startswith(("http://", "https://")):
         from hvd_train.data.storage import redact_url
@@ -91,3 +101,25 @@ def csv_options(args: argparse.Namespace, *urls: str):
         what = f"{named[0]} is none" if named else "none is given"
         raise UserError(f"{given[0]} tells how a CSV of labels is read, and {what}; leave it out.")
     return options
+
+
+RECORD_FIELDS = ("record_image_key", "record_label_key", "label_offset", "class_names")
+
+
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    """DataConfig's options of other tools' TFRecords, with the flags and help ``train`` has."""
+    import dataclasses
+
+    from hvd_train.config import DataConfig
+
+    for f in dataclasses.fields(DataConfig):
+        if f.name in RECORD_FIELDS:
+            kind = natural_int if isinstance(f.default, int) else str
+            parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+
+
+def record_options(args: argparse.Namespace):
+    """The ``data.features.RecordOptions`` of the options ``add_record_arguments`` gave."""
+    from hvd_train.data.features import RecordOptions
+
+    return RecordOptions(*(getattr(args, name) for name in RECORD_FIELDS))

@@ -10,8 +10,10 @@ from hvd_train.commands._common import (
     CSV_LABELS,
     CSV_PATHS,
     add_csv_arguments,
+    add_record_arguments,
     add_trained_model_arguments,
     csv_options,
+    record_options,
 )
 
 SHOWN = 25  # classes and pairs printed when there are many classes
@@ -29,9 +31,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--data",
         required=True,
-        help="labelled image folder, CSV of labels or shard set, local or s3://, classes as in training",
+        help="labelled image folder, CSV of labels, shard set or TFRecord files, local or s3://, classes as in "
+        "training",
     )
     add_csv_arguments(parser, *CSV_PATHS, *CSV_LABELS)
+    add_record_arguments(parser)
+    parser.add_argument(
+        "--data-split", default="", help="a TFDS folder's split to score (default: validation, else test)"
+    )
     parser.add_argument(
         "--report",
         help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",
@@ -40,7 +47,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from hvd_train.data.pipeline import eval_dataset
+    from hvd_train.data.records import refuse_split, refuse_unused
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
     from hvd_train.data.streams import input_errors
@@ -64,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
             "shard its head: evaluate it with fewer processes.",
             agreed=True,
         )
-    images = evaluation_set(args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3, table=table)
+    records = dataclasses.replace(record_options(args), split=args.data_split)
+    images = evaluation_set(
+        args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3, table=table, records=records
+    )
+    refuse_unused(records, images)
+    refuse_split(args.data_split, "--data-split", images)
     held_out = eval_dataset(
         images,
         rank=ctx.rank,

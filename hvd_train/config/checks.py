@@ -26,6 +26,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for flag, value in d.table_options().given()[:1]:
             why = "it tells how a CSV of labels is read, and neither --data nor --val-data names one"
             _require(False, flag, value, why)
+    _require(d.label_offset >= 0, "--label-offset", d.label_offset, "use a whole number >= 0 (1 for labels from 1)")
     _require(0.1 <= d.crop_fraction <= 1.0, "--crop-fraction", d.crop_fraction, "use (0.1, 1]")
     _require(d.s3_concurrency >= 1, "--s3-concurrency", d.s3_concurrency, "use a whole number >= 1")
     _require(d.s3_max_attempts >= 1, "--s3-max-attempts", d.s3_max_attempts, "use a whole number >= 1")

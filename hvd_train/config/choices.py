@@ -17,6 +17,7 @@ import yaml
 
 from hvd_train.config.fields import opt as _opt
 from hvd_train.config.run_choices import RunConfig
+from hvd_train.data.features import IMAGE_KEY, LABEL_KEY, RecordOptions
 from hvd_train.data.storage import S3Options, redact_url
 from hvd_train.data.table import TableOptions
 
@@ -96,10 +97,13 @@ class DataConfig:
     train: str = _opt(
         "",
         "--data",
-        "image folder tree (labels = folder names), CSV of labels, or shard set to train on, local or s3://",
+        "image folder tree (labels = folder names), CSV of labels, shard set or TFRecord files to train on, "
+        "local or s3://",
     )
     val: str = _opt(
-        "", "--val-data", "image folder tree, CSV of labels or shard set of held-out images, local or s3://"
+        "",
+        "--val-data",
+        "image folder tree, CSV of labels, shard set or TFRecord files of held-out images, local or s3://",
     )
     image_root: str = _opt(
         "", "--image-root", "folder or s3:// prefix the image paths of a CSV are relative to (default: its folder)"
@@ -108,6 +112,18 @@ class DataConfig:
     label_column: str = _opt("", "--label-column", "a CSV's column of labels (default: label, class, category, ...)")
     min_images_per_label: int = _opt(
         2, "--min-images-per-label", "fewest images a label of a training CSV may have (fewer: a typo, mostly)"
+    )
+    record_image_key: str = _opt(IMAGE_KEY, "--record-image-key", "other tools' TFRecords: the encoded image's feature")
+    record_label_key: str = _opt(
+        LABEL_KEY, "--record-label-key", "other tools' TFRecords: the label's feature (an integer or a string)"
+    )
+    label_offset: int = _opt(0, "--label-offset", "other tools' TFRecords: subtracted from integer labels (1: 1-based)")
+    class_names: str = _opt(
+        "", "--class-names", "other tools' TFRecords: a text file of class names, one a line, in label order"
+    )
+    data_split: str = _opt("", "--data-split", "a TFDS folder's split to train on (default: train)")
+    val_data_split: str = _opt(
+        "", "--val-data-split", "a TFDS folder's split to hold out (default: validation, else test)"
     )
     val_split: float = _opt(0.1, "--val-split", "fraction of each class held out when --val-data is not given")
     image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
@@ -140,6 +156,10 @@ class DataConfig:
     def table_options(self) -> TableOptions:
         """How a CSV of labels is read, as ``table.TableOptions``."""
         return TableOptions(self.path_column, self.label_column, self.image_root, self.min_images_per_label)
+
+    def record_options(self) -> RecordOptions:
+        """How other tools' TFRecord files are read, as ``records.RecordOptions``."""
+        return RecordOptions(self.record_image_key, self.record_label_key, self.label_offset, self.class_names)
 
     def s3_options(self) -> S3Options:
         """The S3 settings as ``storage.S3Options``."""

@@ -28,6 +28,7 @@ import numpy as np
 
 from hvd_train.compat import tf
 from hvd_train.data import storage
+from hvd_train.data.features import RecordFeatures
 from hvd_train.data.fetcher import Fetcher
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
@@ -91,18 +92,6 @@ def example(image: bytes, label: int, name: str) -> bytes:
     return tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString()
 
 
-FEATURES = {
-    "image/encoded": tf.io.FixedLenFeature([], tf.string),
-    "image/class/label": tf.io.FixedLenFeature([], tf.int64),
-}
-
-
-def parse(record: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(encoded image, label)`` of one serialized record."""
-    parsed = tf.io.parse_single_example(record, FEATURES)
-    return parsed["image/encoded"], tf.cast(parsed["image/class/label"], tf.int32)
-
-
 @dataclass(frozen=True)
 class Shard:
     file: str
@@ -130,6 +119,8 @@ class ShardSet:
             ("" for sets packed before it did).
         digest: a digest of the manifest's classes, counts and shards: the
             same set wherever it is read from, another one once repacked.
+        features: how a record gives its image and label (other tools'
+            files name them otherwise: ``data.records``).
     """
 
     url: str
@@ -139,6 +130,7 @@ class ShardSet:
     class_counts: tuple[int, ...]
     alpha_background: str = ""
     digest: str = ""
+    features: RecordFeatures = RecordFeatures()
 
     def __len__(self) -> int:
         return sum(s.images for s in self.shards)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvd_train.compat import tf
-from hvd_train.data import packed, storage
+from hvd_train.data import storage
 from hvd_train.data.blocks import BlockLayout, eval_blocks, stream_records
 from hvd_train.data.folder import ImageSet, PathList
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, Window, decode_window, plain
@@ -100,9 +100,10 @@ def train_input(
         reader = StreamReader(s3 or storage.S3Options(), local=not storage.is_s3(data.url))
         label_map = tf.constant(data.label_map, dtype=tf.int32)
         ds = _shard_records(data, segments, rank, seed, reader)
+        parse = data.features.parser()
 
         def load(record, index, epoch):
-            contents, label = packed.parse(record)
+            contents, label = parse(record)
             return augmenter(contents, epoch * n + index), tf.gather(label_map, label), index
 
     else:
@@ -300,6 +301,7 @@ def eval_dataset(
         reader = StreamReader(s3, local=not storage.is_s3(data.url))
         blocks = eval_blocks(data, rank, size)
         label_map = tf.constant(data.label_map, dtype=tf.int32)
+        parse = data.features.parser()
 
         def stream():
             for _, records in reader.fetcher.stream(blocks, lambda b: reader.read_block(data, b)):
@@ -308,7 +310,7 @@ def eval_dataset(
         ds = reader.dataset(stream, tf.TensorSpec([None], tf.string)).unbatch()
 
         def load_record(record):
-            contents, label = packed.parse(record)
+            contents, label = parse(record)
             return center(contents), tf.gather(label_map, label)
 
         ds = ds.map(plain(load_record), num_parallel_calls=tf.data.AUTOTUNE)

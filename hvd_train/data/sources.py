@@ -14,9 +14,13 @@ import numpy as np
 
 from hvd_train.data import packed, storage
 from hvd_train.data.checks import CheckCache, stamps, suspects
+from hvd_train.data.features import RecordOptions
 from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
 from hvd_train.data.packed import ShardSet
+from hvd_train.data.records import is_records
+from hvd_train.data.records import load as load_records
+from hvd_train.data.records import prepare as prepare_records
 from hvd_train.data.storage import S3Options
 from hvd_train.data.table import TableOptions, is_table, read_table
 from hvd_train.distributed.context import Context
@@ -30,11 +34,19 @@ Data = ImageSet | ShardSet
 
 
 def open_data(
-    url: str, flag: str, s3: S3Options, classes: list[str] | None = None, table: TableOptions | None = None
+    url: str,
+    flag: str,
+    s3: S3Options,
+    classes: list[str] | None = None,
+    table: TableOptions | None = None,
+    records: RecordOptions | None = None,
 ) -> Data:
-    """The image folder, CSV of labels (read with ``table``) or shard set at ``url`` (local or ``s3://``)."""
+    """The image folder, CSV of labels (read with ``table``), shard set or other tools' TFRecords (read with
+    ``records``) at ``url`` (local or ``s3://``)."""
     if is_table(url):
         return read_table(url, flag, s3, table, classes)
+    if is_records(url, s3):
+        return load_records(url, flag, s3, records, classes)
     if packed.is_shard_set(url, s3):
         return packed.load(url, flag, s3, classes)
     return list_folder(url, flag, classes=classes, s3=s3)
@@ -50,10 +62,14 @@ def evaluation_set(
     s3: S3Options | None = None,
     check: str = "quick",
     table: TableOptions | None = None,
+    records: RecordOptions | None = None,
 ) -> Data:
     """Held-out images of ``path``, labelled with the trained ``classes``."""
     s3 = s3 or S3Options()
-    images = ctx.on_root(lambda: open_data(path, flag, s3, classes=classes, table=table), name="list_eval")
+    prepare_records(path, flag, s3, records or RecordOptions(), ctx, held_out=True)
+    images = ctx.on_root(
+        lambda: open_data(path, flag, s3, classes=classes, table=table, records=records), name="list_eval"
+    )
     return checked(images, flag, policy, ctx, threads, s3, check)
 
 

@@ -21,6 +21,7 @@ import time
 
 from hvd_train.compat import KERAS_MAJOR, keras
 from hvd_train.config import DataConfig, TrainConfig
+from hvd_train.data import records as records_module
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
@@ -384,23 +385,29 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
     """
     s3 = cfg.s3_options()
 
+    records = cfg.record_options()
+    val_records = dataclasses.replace(records, split=cfg.val_data_split)
+    records = dataclasses.replace(records, split=cfg.data_split)
+
     def listing():
         table = cfg.table_options()
-        train = open_data(cfg.train, "--data", s3, table=table)
+        train = open_data(cfg.train, "--data", s3, table=table, records=records)
         if cfg.val:
-            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes, table=table)
+            return train, open_data(cfg.val, "--val-data", s3, classes=train.classes, table=table, records=val_records)
         if cfg.val_split > 0:
             if isinstance(train, ShardSet):
-                raise UserError(
-                    f"--data {cfg.train} is a packed shard set, which --val-split cannot divide; "
-                    f"pack the held-out images separately (hvd-train pack --val-split) and pass --val-data, "
-                    f"or pass --val-split 0."
-                )
+                raise UserError(records_module.undivided(train, cfg.train))
             return split_per_class(train, cfg.val_split, seed)
         return train, None
 
     started = time.perf_counter()
+    for url, flag, options in ((cfg.train, "--data", records), (cfg.val, "--val-data", val_records)):
+        if url:  # other tools' TFRecords: their index made by all ranks, when it is missing
+            records_module.prepare(url, flag, s3, options, ctx, held_out=flag == "--val-data")
     train, val = ctx.on_root(listing, name="list_data")
+    records_module.refuse_unused(records, train, val)
+    records_module.refuse_split(cfg.data_split, "--data-split", train)
+    records_module.refuse_split(cfg.val_data_split, "--val-data-split", val)
     if isinstance(train, ImageSet):
         held = train.nbytes() + (val.nbytes() if isinstance(val, ImageSet) else 0)
         log.info(

@@ -1,0 +1,376 @@
+"""Other tools' TFRecord files as data, read in place: ``--data DIR`` or ``--data 'DIR/train-*'``.
+
+A folder or ``s3://`` prefix of TFRecord files with no ``manifest.json`` of
+``hvd-train pack`` (Model Garden's and the TPU reference ImageNet shards,
+the files of a pipeline of one's own) is read as it is. Each record is a
+``tf.train.Example``: the encoded image under ``--record-image-key``
+(default ``image/encoded``), the label under ``--record-label-key``
+(default ``image/class/label``), an integer less ``--label-offset`` (1 for
+sets that count from 1) or a string. The files are those of the folder
+whose names TFRecord files have (``*.tfrecord``, ``*.tfrec``,
+``*-00000-of-01024``), or those a pattern in the last segment matches.
+
+The classes are the string labels, sorted; for integer labels the lines of
+``--class-names``, else the records' ``image/class/synset`` or
+``image/class/text`` when each label has one of its own, else the numbers.
+
+A rank reads its exact share with ranged reads, as of a packed set, which
+needs each record's byte offset: one pass over the files gives them (with
+the labels, every checksum verified). That pass is made once, each rank a
+share of the files under a launcher, and kept as an index (``record_index``);
+a later run whose files are unchanged starts from the index.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from hvd_train.data import record_index, storage, tfds
+from hvd_train.data.features import RecordFeatures, RecordOptions
+from hvd_train.data.packed import MANIFEST, Shard, ShardSet
+from hvd_train.distributed.context import Context
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("data")
+
+RECORD_NAME = re.compile(r"\.(tfrecords?|tfrec)(-\d+-of-\d+)?$|-\d+-of-\d+$", re.IGNORECASE)
+COMPRESSED = re.compile(r"\.(tfrecords?|tfrec)(-\d+-of-\d+)?\.(gz|zz|zlib)$", re.IGNORECASE)
+_PATTERN = re.compile(r"[*?\[]")
+PACKED_NAME = re.compile(r"shard-(\d{3}-)?\d{5}\.tfrecord")  # as hvd-train pack names its shards
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(folder, pattern)`` of ``url``: a pattern or a file's name in its last segment, else ``""``."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    if _PATTERN.search(last) or (RECORD_NAME.search(last) and not url.endswith("/") and not _is_folder(url)):
+        return head or ".", last
+    return url, ""
+
+
+def _is_folder(url: str) -> bool:
+    return storage.is_s3(url) or os.path.isdir(url)
+
+
+def is_records(url: str, s3: storage.S3Options | None = None) -> bool:
+    """Whether ``url`` names TFRecord files of another tool (a pattern, a file, or a folder holding some, and no
+    ``manifest.json``) or a prepared TFDS folder."""
+    if not url or url.lower().endswith((".csv", ".tsv")):
+        return False
+    folder, pattern = split_url(url)
+    if pattern:
+        return True
+    if storage.is_s3(url):
+        names = storage.open_store(url, s3).children("", "--data")[1]
+    elif os.path.isdir(url):
+        names = [e.name for e in os.scandir(url) if e.is_file()]
+    else:
+        return False
+    found = [n for n in names if RECORD_NAME.search(n) or COMPRESSED.search(n)]
+    if MANIFEST in names or (found and all(PACKED_NAME.fullmatch(n) for n in found)):
+        return False  # a shard set, or the shards of a pack that has not finished (folder.py says so)
+    return tfds.INFO in names or bool(found)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Records to read, found: the files of a folder (or a pattern), or of a TFDS folder's split.
+
+    Attributes:
+        store: the folder holding the files.
+        files: ``(name, size, stamp)`` of each file, in reading order; a
+            stamp changes when the file does (its size and modification time,
+            or in S3 its ETag).
+        options: the feature keys and labels in effect (a TFDS folder's own).
+        key: what tells this set's index from another's in the same folder:
+            the pattern, or the split.
+        split: the TFDS split, if it is one (with its class names and
+            records per file).
+    """
+
+    store: storage.Store
+    files: tuple[tuple[str, int, str], ...]
+    options: RecordOptions
+    key: str
+    split: tfds.Split | None = None
+
+
+def source(url: str, flag: str, s3: storage.S3Options, options: RecordOptions, held_out: bool = False) -> Source:
+    """The records of ``url``: a folder's TFRecord files, those a pattern matches, or a TFDS folder's split
+    (``options.split``; held-out data defaults to ``validation``)."""
+    folder, pattern = split_url(url)
+    store = storage.open_store(folder, s3)
+    found = _listed(store, flag)
+    where = storage.redact_url(url)
+    if not pattern and tfds.is_tfds(store):
+        own = [f for f, _ in options.given()]
+        if own:
+            raise UserError(
+                f"{own[0]} tells how other tools' TFRecords are read, and {flag} {where} is a TFDS folder, which "
+                f"says it itself; leave it out."
+            )
+        split = tfds.split_of(store, options.split, held_out, flag, f"{flag}-split")
+        by_name = {f[0]: f for f in found}
+        absent = [name for name in split.files if name not in by_name]
+        if absent:
+            raise UserError(
+                f"{len(absent)} of the {len(split.files)} files of split {split.name!r} are not in {flag} {where} "
+                f"(the first: {absent[0]}); prepare the dataset again, or copy all of its files."
+            )
+        effective = RecordOptions(split.image_key, split.label_key)
+        return Source(store, tuple(by_name[n] for n in split.files), effective, f"tfds:{split.name}", split)
+    if options.split:
+        raise UserError(f"{flag}-split tells which split of a TFDS folder is read, and {flag} {where} is none.")
+    if pattern:
+        files = sorted(f for f in found if fnmatch.fnmatchcase(f[0], pattern))
+    else:
+        files = sorted(f for f in found if RECORD_NAME.search(f[0]))
+    compressed = [f[0] for f in files if COMPRESSED.search(f[0])] or (
+        [] if files or pattern else [f[0] for f in found if COMPRESSED.search(f[0])]
+    )
+    if compressed:
+        raise UserError(
+            f"{storage.join(store.url, compressed[0])} is a compressed TFRecord file ({flag} {where}); a rank "
+            f"reads its share of a file in byte ranges, which compression prevents: write the records uncompressed."
+        )
+    if not files:
+        raise UserError(
+            f"{flag} {where} matches no TFRecord file; give a folder of *.tfrecord files, or a pattern such "
+            f"as 'DIR/train-*'."
+        )
+    return Source(store, tuple(files), options, pattern)
+
+
+def _listed(store: storage.Store, flag: str) -> list[tuple[str, int, str]]:
+    """The files directly in ``store``'s folder, as ``(name, size, stamp)``; hidden files and indexes left out."""
+    if isinstance(store, storage.S3Store):
+        found = [(rel, size, etag) for rel, (size, etag) in store.list_with_etags(flag).items() if "/" not in rel]
+    else:
+        try:
+            entries = [(e.name, e.stat()) for e in os.scandir(store.url) if e.is_file()]
+        except OSError as e:
+            raise UserError(f"cannot list {store.url} ({e.strerror or e}); check {flag}.") from None
+        found = [(name, st.st_size, f"{st.st_size}:{st.st_mtime_ns}") for name, st in entries]
+    return [f for f in found if not f[0].startswith((".", record_index.PREFIX))]
+
+
+def prepare(
+    url: str, flag: str, s3: storage.S3Options, options: RecordOptions, ctx: Context, held_out: bool = False
+) -> None:
+    """Under a launcher: the index of ``url``'s records made by every rank, a share of the files each.
+
+    Rank 0 finds which files its index lacks; each rank reads every
+    ``size``-th of them; rank 0 writes the index. ``load`` then starts from
+    it. Nothing is done for data that is not other tools' TFRecords, or on
+    one process (``load`` makes the index itself).
+    """
+    if ctx.size == 1:
+        return
+
+    def plan():
+        if not is_records(url, s3):
+            return None
+        found = source(url, flag, s3, options, held_out)
+        return found.store.url, found.options, record_index.missing(found)
+
+    planned = ctx.on_root(plan, name=f"records_plan{flag}")
+    if not planned or not planned[2]:
+        return
+    folder, effective, todo = planned
+    store = storage.open_store(folder, s3)
+    mine = ctx.agree(
+        lambda: record_index.scan_files(store, todo[ctx.rank :: ctx.size], effective, flag, s3), name=f"records{flag}"
+    )
+    scanned = [entry for part in ctx.allgather_object(mine, name=f"records_scanned{flag}") for entry in part]
+    ctx.on_root(
+        lambda: record_index.build(source(url, flag, s3, options, held_out), s3, flag, scanned),
+        name=f"records_save{flag}",
+    )
+
+
+def is_indexed(data) -> bool:
+    """Whether ``data`` (a listing or shard set) is other tools' TFRecords or a TFDS split, read here."""
+    return isinstance(data, ShardSet) and data.features.kind != "pack"
+
+
+def refuse_unused(options: RecordOptions, *data) -> None:
+    """Raises when an option of ``options`` is given and none of ``data`` is other tools' TFRecords."""
+    given = options.given()
+    if given and not any(map(is_indexed, data)):
+        raise UserError(
+            f"{given[0][0]} tells how other tools' TFRecord files are read, and no data given names some; "
+            f"leave it out.",
+            agreed=True,
+        )
+
+
+def undivided(data: ShardSet, url: str) -> str:
+    """Why ``--val-split`` cannot hold out images of the set ``data`` at ``url``, and what to pass instead."""
+    if data.features.kind == "tfds":
+        return (
+            f"--data {url} is a split of a TFDS folder, which --val-split cannot divide; pass the folder as "
+            f"--val-data too (its validation split, or --val-data-split NAME), or --val-split 0."
+        )
+    if data.features.kind == "records":
+        return (
+            f"--data {url} is a set of TFRecord files, which --val-split cannot divide; pass its held-out records "
+            f"as --val-data (e.g. 'DIR/validation-*'), or --val-split 0."
+        )
+    return (
+        f"--data {url} is a packed shard set, which --val-split cannot divide; pack the held-out images separately "
+        f"(hvd-train pack --val-split) and pass --val-data, or pass --val-split 0."
+    )
+
+
+def refuse_split(split: str, flag: str, data) -> None:
+    """Raises when ``flag`` names a split (``split``) and ``data`` is no TFDS folder's."""
+    if split and not (isinstance(data, ShardSet) and data.features.kind == "tfds"):
+        raise UserError(
+            f"{flag} {split} tells which split of a TFDS folder is read, and its data is none; leave it out.",
+            agreed=True,
+        )
+
+
+def load(
+    url: str, flag: str, s3: storage.S3Options, options: RecordOptions | None = None, classes: list[str] | None = None
+) -> ShardSet:
+    """The TFRecord files of ``url`` as a ``ShardSet``, from their index (made first when it is missing or stale).
+
+    Args:
+        classes: the training classes when loading held-out data: the set's
+            classes with records must be among them.
+    """
+    found = source(url, flag, s3, options or RecordOptions(), held_out=classes is not None)
+    options = found.options
+    entries = record_index.build(found, s3, flag)
+    if found.split is not None:
+        short = [
+            (e["file"], len(e["offsets"]), n) for e, n in zip(entries, found.split.lengths) if len(e["offsets"]) != n
+        ]
+        if short:
+            name, have, want = short[0]
+            raise UserError(
+                f"{found.store.full(name)} holds {have} records where {tfds.INFO} says {want} ({flag}); "
+                f"prepare the dataset again."
+            )
+    kinds = {type(label) for e in entries for label in e["labels"][:1]}
+    if len(kinds) > 1:
+        raise UserError(
+            f"the labels of {flag} {storage.redact_url(url)} ({options.label_key}) are integers in some files and "
+            f"strings in others; give files of one kind."
+        )
+    strings = kinds == {str}
+    names = list(found.split.classes) if found.split is not None else None
+    own, labels_of = _classes(entries, strings, options, names, s3, flag, url)
+    counts_own = [0] * len(own)
+    for e in entries:
+        for label in labels_of(e):
+            counts_own[label] += 1
+    if classes is None:
+        empty = [c for c, n in zip(own, counts_own) if n == 0]
+        if empty:
+            raise UserError(
+                f"class {empty[0]!r} has no record in {flag} {storage.redact_url(url)} ({len(empty)} of {len(own)} "
+                f"classes have none); every class needs images to train on: check --class-names and --label-offset."
+            )
+        classes = own
+    unknown = [c for c, n in zip(own, counts_own) if n and c not in classes]
+    if unknown:
+        raise UserError(
+            f"class {unknown[0]!r} of {flag} {storage.redact_url(url)} is not a training class; training classes "
+            f"are: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}."
+        )
+    index = {c: i for i, c in enumerate(classes)}
+    label_map = tuple(index.get(c, 0) for c in own)  # a class without records is never looked up
+    counts = [0] * len(classes)
+    for c, n in zip(own, counts_own):
+        if n:
+            counts[index[c]] += n
+    shards = tuple(Shard(e["file"], len(e["offsets"]), e["bytes"], tuple(e["offsets"])) for e in entries)
+    vocabulary = tuple(own) if strings else ()
+    kind = "tfds" if found.split is not None else "records"
+    features = RecordFeatures(options.image_key, options.label_key, options.label_offset, vocabulary, kind)
+    identity = [[e["file"], e["stamp"]] for e in entries], features.__dict__, own
+    return ShardSet(
+        found.store.url,
+        list(classes),
+        shards,
+        label_map,
+        tuple(counts),
+        digest=hashlib.sha256(json.dumps(identity, sort_keys=True, default=list).encode()).hexdigest()[:16],
+        features=features,
+    )
+
+
+def _classes(entries: list[dict], strings: bool, options: RecordOptions, names: list[str] | None, s3, flag, url):
+    """The set's own classes in label order, and ``labels_of(entry)``: an entry's labels as indices into them.
+
+    ``names``: the classes a TFDS folder names, if it is one."""
+    where = f"{flag} {storage.redact_url(url)}"
+    if options.class_names:
+        names = _names_file(options.class_names, s3)
+    if strings:
+        found = sorted({label for e in entries for label in e["labels"]})
+        own = names if names is not None else found
+        position = {c: i for i, c in enumerate(own)}
+        missing = [c for c in found if c not in position]
+        if missing:
+            raise UserError(
+                f"label {missing[0]!r} of {where} is not in --class-names {options.class_names} ({len(missing)} "
+                f"labels are not); add it there."
+            )
+        return own, lambda e: [position[label] for label in e["labels"]]
+    offset = options.label_offset
+    low = min(min(e["labels"]) for e in entries if e["labels"]) - offset
+    high = max(max(e["labels"]) for e in entries if e["labels"]) - offset
+    if low < 0:
+        raise UserError(
+            f"{where} has the label {low + offset} ({options.label_key}), below --label-offset {offset}; "
+            f"{'pass --label-offset 0' if low + offset == 0 else 'check --label-offset'}."
+        )
+    if names is not None:
+        if high >= len(names):
+            named = f"--class-names {options.class_names}" if options.class_names else "its folder"
+            raise UserError(
+                f"{where} has the label {high + offset}, and {named} names {len(names)} classes (labels {offset} "
+                f"to {len(names) - 1 + offset}); check --label-offset."
+            )
+        own = names
+    else:
+        own = _text_names(entries, offset, high + 1) or [str(i) for i in range(high + 1)]
+    return own, lambda e: [label - offset for label in e["labels"]]
+
+
+def _text_names(entries: list[dict], offset: int, count: int) -> list[str] | None:
+    """Class names from the records' own text (``record_index.TEXT_KEYS``): one per label, all distinct."""
+    for key in record_index.TEXT_KEYS:
+        seen: dict[int, set[str]] = {}
+        for e in entries:
+            for label, texts in e["texts"].get(key, {}).items():
+                seen.setdefault(int(label) - offset, set()).update(texts)
+        names = [seen.get(i, set()) for i in range(count)]
+        if all(len(n) == 1 for n in names) and len({next(iter(n)) for n in names}) == count:
+            return [next(iter(n)) for n in names]
+    return None
+
+
+def _names_file(path: str, s3) -> list[str]:
+    """The lines of a ``--class-names`` file, one class a line (blank lines ignored)."""
+    try:
+        text = (storage.read_url(path, s3) if storage.is_s3(path) else open(path, "rb").read()).decode("utf-8-sig")
+    except OSError as e:
+        raise UserError(f"cannot read --class-names {path} ({e.strerror or e}).") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--class-names {path} is not UTF-8 text; save it as UTF-8, one class a line.") from None
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    twice = sorted(n for n, k in Counter(names).items() if k > 1)
+    if not names or twice:
+        why = f"names {twice[0]!r} twice" if twice else "names no class"
+        raise UserError(f"--class-names {path} {why}; give one distinct class a line, in label order.")
+    return names

@@ -1,0 +1,364 @@
+"""Other tools' TFRecord files as ``--data``: read in place through an index made once, and every file or record
+they refuse (one process, no job; the launched runs at the end)."""
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvd_train.compat import tf
+from hvd_train.data import packed, records
+from hvd_train.data.features import RecordOptions
+from hvd_train.data.pipeline import eval_dataset
+from hvd_train.data.storage import S3Options
+from hvd_train.errors import UserError
+
+from conftest import HVD_TRAIN, TINY, launcher_command, output_of, read_json, run_at_once, write_images
+
+COUNTS = {"cat": 3, "dog": 4, "owl": 2}
+# Model Garden's and the TPU reference ImageNet shards: these keys, labels from 1, the synset beside the label.
+GARDEN = {"image": "image/encoded", "label": "image/class/label", "offset": 1, "text": "image/class/synset"}
+
+
+def feature(value):
+    if isinstance(value, int):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=[value]))
+    return tf.train.Feature(
+        bytes_list=tf.train.BytesList(value=[value if isinstance(value, bytes) else value.encode()])
+    )
+
+
+def rewrite(
+    shard_set_dir, out, stem="train", image="image/encoded", label="image/class/label", offset=0, text="", strings=False
+):
+    """The records of the shard set at ``shard_set_dir`` written again as another tool would: in the same order
+    and files (``<stem>-0000i-of-0000n``), the image and label under other keys, the label counted from
+    ``offset`` or given as its class name, the class name under ``text``. Returns the file names."""
+    shard_set = packed.load(str(shard_set_dir), "--data")
+    os.makedirs(out, exist_ok=True)
+    names = []
+    for i, shard in enumerate(shard_set.shards):
+        data = (shard_set_dir / shard.file).read_bytes()
+        framed = []
+        for record in packed.unframe(data, shard.images, shard.file):
+            ours = tf.train.Example.FromString(record).features.feature
+            index = ours["image/class/label"].int64_list.value[0]
+            name = shard_set.classes[index]
+            fields = {image: feature(ours["image/encoded"].bytes_list.value[0])}
+            fields[label] = feature(name if strings else index + offset)
+            if text:
+                fields[text] = feature(name)
+            example = tf.train.Example(features=tf.train.Features(feature=fields))
+            framed.append(packed.frame(example.SerializeToString()))
+        names.append(f"{stem}-{i:05d}-of-{len(shard_set.shards):05d}")
+        (out / names[-1]).write_bytes(b"".join(framed))
+    return names
+
+
+def pairs(data):
+    """``(image, label)`` of every held-out record of ``data`` as one process reads them."""
+    ds = eval_dataset(data, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    found = [
+        (img.tobytes(), int(label))
+        for images, labels in ds.dataset
+        for img, label in zip(images.numpy(), labels.numpy())
+    ]
+    return found
+
+
+@pytest.fixture
+def pack_of_tree(tmp_path):
+    tree = write_images(tmp_path / "images", COUNTS, size=8)
+    packed.pack(str(tree), str(tmp_path / "packed"), shard_size=1200, on_bad_image="skip", seed=3, s3=S3Options())
+    return tmp_path / "packed"
+
+
+def test_model_gardens_records_are_the_set_pack_wrote_and_the_index_is_made_once(pack_of_tree, tmp_path, caplog):
+    """1-based labels under the usual keys, the synset beside them: the classes, counts, images and labels of the
+    set ``pack`` wrote. The index is made on the first read, kept beside the files, and read the next time; a
+    rewritten file alone is read again."""
+    caplog.set_level(logging.INFO, logger="hvd_train")
+    out = tmp_path / "garden"
+    names = rewrite(pack_of_tree, out, offset=1, text=GARDEN["text"])
+    rewrite(pack_of_tree, out, stem="validation", offset=1, text=GARDEN["text"])
+    ours = packed.load(str(pack_of_tree), "--data")
+    url = f"{out}/train-*"
+    assert records.is_records(url) and records.is_records(str(out)) and not records.is_records(str(pack_of_tree))
+    theirs = records.load(url, "--data", S3Options(), RecordOptions(label_offset=1))
+    assert theirs.classes == ours.classes == ["cat", "dog", "owl"] and theirs.counts() == ours.counts()
+    assert [s.file for s in theirs.shards] == names and [s.images for s in theirs.shards] == [
+        s.images for s in ours.shards
+    ]
+    assert pairs(theirs) == pairs(ours)
+    index = [n for n in os.listdir(out) if n.startswith("hvd_train-index-")]
+    assert len(index) == 1 and f"indexed 9 records in {len(names)} TFRecord files" in caplog.text
+    caplog.clear()
+    again = records.load(url, "--data", S3Options(), RecordOptions(label_offset=1))
+    assert again == theirs and "from the index" in caplog.text and "read " not in caplog.text
+    # A file written again (another size) is read again, alone; the index names only the files it has read.
+    data = (out / names[0]).read_bytes()
+    (out / names[0]).write_bytes(data + data[: theirs.shards[0].offsets[1]])
+    caplog.clear()
+    grown = records.load(url, "--data", S3Options(), RecordOptions(label_offset=1))
+    grown_by_one = ours.shards[0].images + 1
+    assert f"read {grown_by_one} records of 1 TFRecord files" in caplog.text and grown.shards[0].images == grown_by_one
+    kept = json.loads((out / index[0]).read_text())
+    assert [f["file"] for f in kept["files"]] == names
+    # The validation files are a set of their own (another index), held out against the training classes.
+    held = records.load(f"{out}/validation-*", "--val-data", S3Options(), RecordOptions(label_offset=1), ours.classes)
+    assert held.classes == ours.classes and pairs(held) == pairs(ours)
+
+
+def test_string_labels_under_keys_of_ones_own_and_names_from_a_file(pack_of_tree, tmp_path):
+    out = tmp_path / "own"
+    rewrite(pack_of_tree, out, stem="data.tfrecord", image="jpeg", label="name", strings=True)
+    options = RecordOptions(image_key="jpeg", label_key="name")
+    theirs = records.load(str(out), "--data", S3Options(), options)
+    ours = packed.load(str(pack_of_tree), "--data")
+    assert theirs.classes == ours.classes and pairs(theirs) == pairs(ours)
+    # Integer labels from 0 and no text: the numbers, or the lines of --class-names.
+    numbered = tmp_path / "numbered"
+    rewrite(pack_of_tree, numbered)
+    assert records.load(str(numbered), "--data", S3Options()).classes == ["0", "1", "2"]
+    (tmp_path / "names.txt").write_text("\ufeffcat\ndog\n\nowl\n")
+    named = records.load(str(numbered), "--data", S3Options(), RecordOptions(class_names=str(tmp_path / "names.txt")))
+    assert named.classes == ours.classes and pairs(named) == pairs(ours)
+
+
+def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree, tmp_path):
+    out = tmp_path / "garden"
+    names = rewrite(pack_of_tree, out, offset=1)
+
+    def refused(match, url=str(out), **options):
+        with pytest.raises(UserError, match=match):
+            records.load(url, "--data", S3Options(), RecordOptions(**options))
+
+    refused(
+        r"has no feature 'image/jpeg' \(it has: image/class/label, image/encoded\); name the right one with "
+        r"--record-image-key",
+        image_key="image/jpeg",
+    )
+    refused(r"has no feature 'label' .*--record-label-key", label_key="label")
+    (tmp_path / "two.txt").write_text("a\nb\n")
+    refused(
+        r"has the label 3, and --class-names .* names 2 classes", label_offset=1, class_names=str(tmp_path / "two.txt")
+    )
+    refused(r"class '0' has no record in --data .*check --class-names and --label-offset")  # 1-based, read from 0
+    zero = tmp_path / "zero"
+    rewrite(pack_of_tree, zero)
+    refused(
+        r"has the label 0 \(image/class/label\), below --label-offset 1; pass --label-offset 0",
+        str(zero),
+        label_offset=1,
+    )
+    refused(r"matches no TFRecord file; give a folder of \*.tfrecord files, or a pattern", f"{out}/valid-*")
+    # A corrupt byte, a file cut short, a file of something else: each named with its record.
+    data = (out / names[1]).read_bytes()
+    (out / names[1]).write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
+    refused(rf"{names[1]} is corrupt at record 0 \(its checksum\)", label_offset=1)
+    (out / names[1]).write_bytes(data[:-3])
+    refused(rf"{names[1]} ends inside record 2: a file cut short", label_offset=1)
+    (out / names[1]).write_bytes(b"<html>" * 10)
+    refused(rf"{names[1]} is no TFRecord file", label_offset=1)
+    (out / names[1]).write_bytes(data)
+    (out / "more.tfrecord.gz").write_bytes(b"")
+    refused(r"more.tfrecord.gz is a compressed TFRecord file .* write the records uncompressed", f"{out}/*")
+    # Held out: a class the model was not trained on.
+    (tmp_path / "names.txt").write_text("cat\ndog\nowl\n")
+    options = RecordOptions(label_offset=1, class_names=str(tmp_path / "names.txt"))
+    with pytest.raises(UserError, match=r"class 'owl' of --val-data .* is not a training class"):
+        records.load(f"{out}/train-*", "--val-data", S3Options(), options, ["cat", "dog"])
+
+
+def test_a_folder_that_cannot_keep_the_index_keeps_it_in_the_cache_folder(pack_of_tree, tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="hvd_train")
+    monkeypatch.setenv("HVD_TRAIN_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "garden"
+    rewrite(pack_of_tree, out, offset=1)
+    # The index's name taken by a folder: the file cannot be written there (root writes anywhere else).
+    found = records.source(str(out), "--data", S3Options(), RecordOptions(label_offset=1))
+    (out / records.record_index.name_of(found)).mkdir()
+    first = records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1))
+    kept = list((tmp_path / "cache" / "record-index").iterdir())
+    assert len(kept) == 1 and f"the index is {kept[0]}" in caplog.text
+    caplog.clear()
+    assert records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1)) == first
+    assert f"from the index {kept[0]}" in caplog.text
+
+
+def test_trains_flags_reach_the_records_and_are_refused_where_no_records_are(pack_of_tree, tmp_path):
+    """``train``'s options as typed: the records read with them; on a folder of images, or with --val-split
+    (which cannot divide files of records), each refused in one line."""
+    import argparse
+
+    from hvd_train import config
+    from hvd_train.distributed.context import Context
+    from hvd_train.training.stages import training_sets
+
+    out = tmp_path / "own"
+    rewrite(pack_of_tree, out, stem="data.tfrecord", image="jpeg", label="id", offset=1)
+    (tmp_path / "names.txt").write_text("cat\ndog\nowl\n")
+
+    def sets(*argv):
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser)
+        cfg = config.from_sources(parser.parse_args(["--output", str(tmp_path / "run"), *map(str, argv)]))
+        return training_sets(cfg.data, 0, Context())
+
+    given = ["--record-image-key", "jpeg", "--record-label-key", "id", "--label-offset", "1"]
+    train, val = sets("--data", out, "--val-data", out, *given, "--class-names", tmp_path / "names.txt")
+    assert train.classes == val.classes == ["cat", "dog", "owl"] and len(train) == len(val) == 9
+    with pytest.raises(UserError, match=r"is a set of TFRecord files, which --val-split cannot divide; pass its "):
+        sets("--data", out, *given)
+    with pytest.raises(UserError, match=r"--class-names tells how other tools' TFRecord files are read, and no data"):
+        sets("--data", tmp_path / "images", "--class-names", tmp_path / "names.txt")
+    pets = shutil.copytree(TFDS_PETS, tmp_path / "pets")
+    train, val = sets("--data", pets, "--val-data", pets, "--data-split", "validation", "--val-data-split", "train")
+    assert (len(train), len(val)) == (6, 12) and train.classes == val.classes == ["cat", "dog", "owl"]
+    with pytest.raises(UserError, match=r"is a split of a TFDS folder, which --val-split cannot divide; pass the "):
+        sets("--data", pets)
+    with pytest.raises(UserError, match=r"--val-data-split test tells which split of a TFDS folder is read, and its"):
+        sets("--data", pets, "--val-data", tmp_path / "images", "--val-data-split", "test")
+    with pytest.raises(UserError, match=r"`--label-offset` is invalid. Received: label_offset=-1; use a whole"):
+        sets("--data", out, "--label-offset", "-1")
+
+
+# A folder tensorflow_datasets 4.9.10 prepared (a builder of 18 solid 8x8 PNGs, pixel value 10 i + 12 for the
+# 12 of train and 10 i + 6 for the 6 of validation, label i % 3 of cat, dog, owl): its files as TFDS writes them.
+TFDS_PETS = Path(__file__).parent / "tfds_pets"
+
+
+def tfds_folder(shard_sets, out, classes):
+    """The records of shard sets (``{split: folder}``) written again as a prepared TFDS folder of the dataset
+    ``demo`` would hold them, its JSON made from what TFDS wrote for ``TFDS_PETS``."""
+    info = json.loads((TFDS_PETS / "dataset_info.json").read_text())
+    info["name"], splits = "demo", []
+    for split, folder in shard_sets.items():
+        names = rewrite(folder, out, stem=f"demo-{split}.tfrecord", image="image", label="label")
+        lengths = [str(packed.load(str(folder), "--data").shards[i].images) for i in range(len(names))]
+        splits.append({**info["splits"][0], "name": split, "shardLengths": lengths})
+    info["splits"] = splits
+    (out / "dataset_info.json").write_text(json.dumps(info))
+    shutil.copy(TFDS_PETS / "features.json", out)
+    (out / "label.labels.txt").write_text("".join(f"{c}\n" for c in classes))
+
+
+def pixels(data):
+    """``(pixel value, label)`` of every record of ``data``, sorted."""
+    ds = eval_dataset(data, rank=0, size=1, batch_size=4, image_size=8, crop_fraction=1.0, preprocess=lambda x: x)
+    return sorted((int(i[0, 0, 0]), int(label)) for images, labels in ds.dataset for i, label in zip(images, labels))
+
+
+def test_a_folder_tfds_prepared_is_read_by_its_own_description(tmp_path):
+    """The splits, the image and label features, the class names, the files and their record counts: all from
+    TFDS's JSON, without tensorflow_datasets."""
+    folder = shutil.copytree(TFDS_PETS, tmp_path / "pets" / "1.0.0")
+    assert records.is_records(str(folder))
+    train = records.load(str(folder), "--data", S3Options())
+    assert train.classes == ["cat", "dog", "owl"] and train.features.kind == "tfds" and len(train) == 12
+    assert pixels(train) == sorted((10 * i + 12, i % 3) for i in range(12))
+    trained = ["owl", "yak", "cat", "dog"]  # a model's classes, in another order: labels are mapped onto them
+    held = records.load(str(folder), "--val-data", S3Options(), classes=trained)
+    assert pixels(held) == sorted((10 * i + 6, trained.index(train.classes[i % 3])) for i in range(6))
+    named = records.load(str(folder), "--data", S3Options(), RecordOptions(split="validation"))
+    assert pixels(named) == sorted((10 * i + 6, i % 3) for i in range(6))
+
+    def refused(match, flag="--data", **options):
+        with pytest.raises(UserError, match=match):
+            records.load(str(folder), flag, S3Options(), RecordOptions(**options))
+
+    refused(
+        r"has no split 'test'; its splits are: train, validation. Name one with --val-data-split",
+        "--val-data",
+        split="test",
+    )
+    refused(r"--label-offset tells how other tools' TFRecords are read, and --data .* is a TFDS folder", label_offset=1)
+    info = json.loads((folder / "dataset_info.json").read_text())
+    info["splits"][0]["shardLengths"] = ["13"]
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    refused(r"pets-train.tfrecord-00000-of-00001 holds 12 records where dataset_info.json says 13")
+    info["splits"][0]["shardLengths"] = ["6", "7"]
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    refused(r"2 of the 2 files of split 'train' are not in --data .* \(the first: pets-train.tfrecord-00000-of-00002")
+    (folder / "dataset_info.json").write_text(json.dumps({**info, "fileFormat": "array_record"}))
+    refused(r"is a TFDS folder of array_record files; only TFRecord files are read")
+
+
+@pytest.mark.multiprocess  # two processes at once, then a job of two ranks
+def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_under_a_launcher(demo_small, tmp_path):
+    """The demo's images packed (train and val), and the same records written again as Model Garden writes them
+    (one folder, ``train-*`` and ``validation-*``, labels from 1): the same weights to the bit and the same held-out
+    score. Two ranks make the index of a folder never read before, each a share of the files, and ``evaluate``
+    scores it as the folder of the images."""
+    from hvd_train.compat import keras
+
+    packs = tmp_path / "packed"
+    proc = run_at_once([*HVD_TRAIN, "pack", demo_small, packs, "--val-split", "0.2", "--shard-size", "20KB"])[0]
+    assert proc.returncode == 0, output_of(proc)
+    garden = tmp_path / "garden"
+    rewrite(packs / "train", garden, offset=1, text=GARDEN["text"])
+    rewrite(packs / "val", garden, stem="validation", offset=1, text=GARDEN["text"])
+    given = {
+        "packed": ["--data", packs / "train", "--val-data", packs / "val"],
+        "garden": ["--data", f"{garden}/train-*", "--val-data", f"{garden}/validation-*", "--label-offset", "1"],
+    }
+    runs = {name: tmp_path / name for name in given}
+    options = [*TINY, "--deterministic", "--epochs", "2"]
+    trained = run_at_once(
+        *([*HVD_TRAIN, "train", *data, "--output", runs[name], *options] for name, data in given.items())
+    )
+    for proc in trained:
+        assert proc.returncode == 0, output_of(proc)
+    ours, theirs = (read_json(runs[name] / "summary.json") for name in given)
+    assert theirs["val_images"] == ours["val_images"] > 0
+    assert (theirs["val_accuracy"], theirs["val_loss"]) == (ours["val_accuracy"], ours["val_loss"])
+    models = [keras.models.load_model(runs[name] / "model.keras", compile=False) for name in given]
+    for mine, other in zip(*(m.get_weights() for m in models)):
+        np.testing.assert_array_equal(mine, other)
+    fresh = tmp_path / "fresh"
+    rewrite(packs / "train", fresh, offset=1, text=GARDEN["text"])
+    rewrite(packs / "val", fresh, stem="validation", offset=1, text=GARDEN["text"])
+    evaluate = [*HVD_TRAIN, "evaluate", "--model-dir", runs["garden"], "--data"]
+    launched, folder = run_at_once(
+        [
+            *launcher_command("horovodrun-gloo", 2),
+            *evaluate,
+            fresh,
+            "--label-offset",
+            "1",
+            "--report",
+            tmp_path / "fresh.json",
+        ],
+        [*evaluate, demo_small, "--report", tmp_path / "folder.json"],
+    )
+    for proc in (launched, folder):
+        assert proc.returncode == 0, output_of(proc)
+    # Rank 0 read every other file; the index it wrote has all of them.
+    files = sorted(n for n in os.listdir(fresh) if not n.startswith("hvd_train-index-"))
+    assert re.search(rf"read \d+ records of {len(files[0::2])} TFRecord files", launched.stderr), output_of(launched)
+    assert f"indexed 115 records in {len(files)} TFRecord files" in launched.stderr
+    by_records, by_folder = (read_json(tmp_path / f"{name}.json") for name in ("fresh", "folder"))
+    assert by_records["images"] == by_folder["images"] == 115
+    assert (by_records["accuracy"], by_records["loss"]) == (by_folder["accuracy"], by_folder["loss"])
+    # A TFDS folder of the same records: its validation split (evaluate's default) scores as the packed val set.
+    prepared = tmp_path / "tfds"
+    tfds_folder(
+        {"train": packs / "train", "validation": packs / "val"}, prepared, read_json(runs["garden"] / "labels.json")
+    )
+    scored = run_at_once(
+        [*evaluate, prepared, "--report", tmp_path / "tfds.json"],
+        [*evaluate, packs / "val", "--report", tmp_path / "val.json"],
+        [*evaluate, prepared, "--data-split", "train", "--report", tmp_path / "tfds-train.json"],
+    )
+    for proc in scored:
+        assert proc.returncode == 0, output_of(proc)
+    by_tfds, by_val, by_train = (read_json(tmp_path / f"{name}.json") for name in ("tfds", "val", "tfds-train"))
+    assert (
+        by_tfds["images"] == by_val["images"] == theirs["val_images"] and by_train["images"] == 115 - by_val["images"]
+    )
+    assert (by_tfds["accuracy"], by_tfds["loss"]) == (by_val["accuracy"], by_val["loss"])
