@@ -1,6 +1,7 @@
 """Other tools' TFRecord files as ``--data``: read in place through an index made once, and every file or record
 they refuse (one process, no job; the launched runs at the end)."""
 
+import gzip
 import json
 import logging
 import os
@@ -34,11 +35,21 @@ def feature(value):
 
 
 def rewrite(
-    shard_set_dir, out, stem="train", image="image/encoded", label="image/class/label", offset=0, text="", strings=False
+    shard_set_dir,
+    out,
+    stem="train",
+    image="image/encoded",
+    label="image/class/label",
+    offset=0,
+    text="",
+    strings=False,
+    keep=lambda name: True,
+    change=lambda fields: fields,
 ):
     """The records of the shard set at ``shard_set_dir`` written again as another tool would: in the same order
     and files (``<stem>-0000i-of-0000n``), the image and label under other keys, the label counted from
-    ``offset`` or given as its class name, the class name under ``text``. Returns the file names."""
+    ``offset`` or given as its class name, the class name under ``text``; only the classes ``keep`` keeps, each
+    record's features as ``change`` makes them. Returns the file names."""
     shard_set = packed.load(str(shard_set_dir), "--data")
     os.makedirs(out, exist_ok=True)
     names = []
@@ -49,11 +60,13 @@ def rewrite(
             ours = tf.train.Example.FromString(record).features.feature
             index = ours["image/class/label"].int64_list.value[0]
             name = shard_set.classes[index]
+            if not keep(name):
+                continue
             fields = {image: feature(ours["image/encoded"].bytes_list.value[0])}
             fields[label] = feature(name if strings else index + offset)
             if text:
                 fields[text] = feature(name)
-            example = tf.train.Example(features=tf.train.Features(feature=fields))
+            example = tf.train.Example(features=tf.train.Features(feature=change(fields)))
             framed.append(packed.frame(example.SerializeToString()))
         names.append(f"{stem}-{i:05d}-of-{len(shard_set.shards):05d}")
         (out / names[-1]).write_bytes(b"".join(framed))
@@ -95,7 +108,7 @@ def test_model_gardens_records_are_the_set_pack_wrote_and_the_index_is_made_once
         s.images for s in ours.shards
     ]
     assert pairs(theirs) == pairs(ours)
-    index = [n for n in os.listdir(out) if n.startswith("hvd_train-index-")]
+    index = [n for n in os.listdir(out) if n.startswith(".hvd_train-index-")]
     assert len(index) == 1 and f"indexed 9 records in {len(names)} TFRecord files" in caplog.text
     caplog.clear()
     again = records.load(url, "--data", S3Options(), RecordOptions(label_offset=1))
@@ -109,6 +122,15 @@ def test_model_gardens_records_are_the_set_pack_wrote_and_the_index_is_made_once
     assert f"read {grown_by_one} records of 1 TFRecord files" in caplog.text and grown.shards[0].images == grown_by_one
     kept = json.loads((out / index[0]).read_text())
     assert [f["file"] for f in kept["files"]] == names
+    # The same files elsewhere (other modification times): the same set, to the digest.
+    moved = shutil.copytree(out, tmp_path / "moved")
+    for path in moved.iterdir():
+        os.utime(path, ns=(1, 1))  # as a copy that kept no times
+    assert records.load(f"{moved}/train-*", "--data", S3Options(), RecordOptions(label_offset=1)).digest == grown.digest
+    # Held-out records of two of the classes: named by their own text all the same.
+    rewrite(pack_of_tree, tmp_path / "some", offset=1, text=GARDEN["text"], keep=lambda name: name != "cat")
+    some = records.load(str(tmp_path / "some"), "--val-data", S3Options(), RecordOptions(label_offset=1), ours.classes)
+    assert pairs(some) == [pair for pair in pairs(ours) if pair[1] != 0]
     # The validation files are a set of their own (another index), held out against the training classes.
     held = records.load(f"{out}/validation-*", "--val-data", S3Options(), RecordOptions(label_offset=1), ours.classes)
     assert held.classes == ours.classes and pairs(held) == pairs(ours)
@@ -148,7 +170,7 @@ def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree
     refused(
         r"has the label 3, and --class-names .* names 2 classes", label_offset=1, class_names=str(tmp_path / "two.txt")
     )
-    refused(r"class '0' has no record in --data .*check --class-names and --label-offset")  # 1-based, read from 0
+    refused(r"has no record of label 0 and has one of 1 .* if they count from 1, pass --label-offset 1")
     zero = tmp_path / "zero"
     rewrite(pack_of_tree, zero)
     refused(
@@ -168,11 +190,44 @@ def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree
     (out / names[1]).write_bytes(data)
     (out / "more.tfrecord.gz").write_bytes(b"")
     refused(r"more.tfrecord.gz is a compressed TFRecord file .* write the records uncompressed", f"{out}/*")
+    (out / "more.tfrecord.gz").unlink()
+    # gzip under a plain name; a glob that takes a text file; a file whose name has a bracket, given whole.
+    (out / "zipped.tfrecord").write_bytes(gzip.compress(data))
+    refused(r"zipped.tfrecord is compressed \(gzip\) .* write the records uncompressed", str(out / "zipped.tfrecord"))
+    (out / "README").write_text("made by a tool")
+    refused(r"README is no TFRecord file", f"{out}/*")
+    (out / "odd[1].tfrecord").write_bytes(data)
+    assert len(records.load(str(out / "odd[1].tfrecord"), "--data", S3Options(), RecordOptions(label_offset=1))) == 3
     # Held out: a class the model was not trained on.
     (tmp_path / "names.txt").write_text("cat\ndog\nowl\n")
     options = RecordOptions(label_offset=1, class_names=str(tmp_path / "names.txt"))
     with pytest.raises(UserError, match=r"class 'owl' of --val-data .* is not a training class"):
         records.load(f"{out}/train-*", "--val-data", S3Options(), options, ["cat", "dog"])
+    # Two sets of files in one folder given whole: the training and held-out records, mostly.
+    rewrite(pack_of_tree, out, stem="validation", offset=1)
+    refused(r"holds the files of 2 sets \(train-\*, validation-\*\): .* Give one with a pattern, e.g. '.*/train-\*'")
+
+
+def test_records_no_image_decodes_from_or_whose_labels_are_no_text_or_of_two_kinds_are_refused(pack_of_tree, tmp_path):
+    def refused(match, **change):
+        out = tmp_path / f"x{len(list(tmp_path.iterdir()))}"
+        count = iter(range(100))
+
+        def changed(fields):
+            if next(count) in (1, 4):
+                fields.update({k: feature(v) for k, v in change.items()})
+            return fields
+
+        rewrite(pack_of_tree, out, change=changed)
+        with pytest.raises(UserError, match=match):
+            records.load(str(out), "--data", S3Options())
+
+    refused(
+        r"2 record\(s\) of --data .* hold no image that decodes \(the first: record 1 of .*train-00000-of-",
+        **{"image/encoded": b"<html>not found</html>"},
+    )
+    refused(r"record 1 of .*: its label b'\\xff\\xfe' is not UTF-8 text", **{"image/class/label": b"\xff\xfe"})
+    refused(r"record 1 of .* has a str label and record 0 a int one", **{"image/class/label": "cat"})
 
 
 def test_a_folder_that_cannot_keep_the_index_keeps_it_in_the_cache_folder(pack_of_tree, tmp_path, monkeypatch, caplog):
@@ -189,6 +244,14 @@ def test_a_folder_that_cannot_keep_the_index_keeps_it_in_the_cache_folder(pack_o
     caplog.clear()
     assert records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1)) == first
     assert f"from the index {kept[0]}" in caplog.text
+    # An index beside the files whose every entry is stale (an older copy) does not hide the cache's.
+    (out / records.record_index.name_of(found)).rmdir()
+    stale = json.loads(kept[0].read_text())
+    stale["files"] = [{**entry, "stamp": "0:0"} for entry in stale["files"]]
+    (out / records.record_index.name_of(found)).write_text(json.dumps(stale))
+    caplog.clear()
+    assert records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1)) == first
+    assert "read " not in caplog.text and str(kept[0]) in caplog.text
 
 
 def test_trains_flags_reach_the_records_and_are_refused_where_no_records_are(pack_of_tree, tmp_path):
@@ -277,7 +340,7 @@ def test_a_folder_tfds_prepared_is_read_by_its_own_description(tmp_path):
         "--val-data",
         split="test",
     )
-    refused(r"--label-offset tells how other tools' TFRecords are read, and --data .* is a TFDS folder", label_offset=1)
+    assert records.load(str(folder), "--data", S3Options(), RecordOptions(label_offset=1)) == train  # not applied
     info = json.loads((folder / "dataset_info.json").read_text())
     info["splits"][0]["shardLengths"] = ["13"]
     (folder / "dataset_info.json").write_text(json.dumps(info))
@@ -287,6 +350,36 @@ def test_a_folder_tfds_prepared_is_read_by_its_own_description(tmp_path):
     refused(r"2 of the 2 files of split 'train' are not in --data .* \(the first: pets-train.tfrecord-00000-of-00002")
     (folder / "dataset_info.json").write_text(json.dumps({**info, "fileFormat": "array_record"}))
     refused(r"is a TFDS folder of array_record files; only TFRecord files are read")
+    info["splits"][0]["shardLengths"] = ["twelve"]
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    refused(r"its dataset_info.json or features.json is not as TFDS writes it \(ValueError: ")
+    shutil.copy(TFDS_PETS / "dataset_info.json", folder)
+    (folder / "label.labels.txt").write_text("cat\ncat\nowl\n")
+    refused(r"label.labels.txt names 'cat' twice; prepare the dataset again")
+    # A split without labels (TFDS writes -1, as for ImageNet's test split).
+    shutil.copy(TFDS_PETS / "label.labels.txt", folder)
+    unlabelled = tmp_path / "unlabelled"
+    unlabelled.mkdir()
+    for name in ("dataset_info.json", "features.json", "label.labels.txt"):
+        shutil.copy(TFDS_PETS / name, unlabelled)
+    framed = []
+    for record in tf.data.TFRecordDataset(str(TFDS_PETS / "pets-validation.tfrecord-00000-of-00001")):
+        example = tf.train.Example.FromString(record.numpy())
+        example.features.feature["label"].int64_list.value[0] = -1
+        framed.append(packed.frame(example.SerializeToString()))
+    (unlabelled / "pets-validation.tfrecord-00000-of-00001").write_bytes(b"".join(framed))
+    shutil.copy(TFDS_PETS / "pets-train.tfrecord-00000-of-00001", unlabelled)
+    with pytest.raises(
+        UserError,
+        match=r"split 'validation' of --val-data .* holds records without a label \(-1\); "
+        r"choose a labelled split with --val-data-split",
+    ):
+        records.load(str(unlabelled), "--val-data", S3Options(), classes=["cat", "dog", "owl"])
+    # A description beside no TFRecord files is no TFDS folder (an image tree may hold one).
+    for name in os.listdir(unlabelled):
+        if "tfrecord" in name:
+            os.unlink(unlabelled / name)
+    assert not records.is_records(str(unlabelled))
 
 
 @pytest.mark.multiprocess  # two processes at once, then a job of two ranks
@@ -301,11 +394,16 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
     proc = run_at_once([*HVD_TRAIN, "pack", demo_small, packs, "--val-split", "0.2", "--shard-size", "20KB"])[0]
     assert proc.returncode == 0, output_of(proc)
     garden = tmp_path / "garden"
-    rewrite(packs / "train", garden, offset=1, text=GARDEN["text"])
-    rewrite(packs / "val", garden, stem="validation", offset=1, text=GARDEN["text"])
+    rewrite(packs / "train", garden, offset=1)
+    rewrite(packs / "val", garden, stem="validation", offset=1)
+    names = tmp_path / "names.txt"
+    names.write_text("".join(f"{c}\n" for c in packed.load(str(packs / "train"), "--data").classes))
     given = {
         "packed": ["--data", packs / "train", "--val-data", packs / "val"],
-        "garden": ["--data", f"{garden}/train-*", "--val-data", f"{garden}/validation-*", "--label-offset", "1"],
+        "garden": [
+            *("--data", f"{garden}/train-*", "--val-data", f"{garden}/validation-*"),
+            *("--label-offset", "1", "--class-names", names),
+        ],
     }
     runs = {name: tmp_path / name for name in given}
     options = [*TINY, "--deterministic", "--epochs", "2"]
@@ -321,16 +419,14 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
     for mine, other in zip(*(m.get_weights() for m in models)):
         np.testing.assert_array_equal(mine, other)
     fresh = tmp_path / "fresh"
-    rewrite(packs / "train", fresh, offset=1, text=GARDEN["text"])
-    rewrite(packs / "val", fresh, stem="validation", offset=1, text=GARDEN["text"])
+    rewrite(packs / "train", fresh, offset=1)
+    rewrite(packs / "val", fresh, stem="validation", offset=1)
     evaluate = [*HVD_TRAIN, "evaluate", "--model-dir", runs["garden"], "--data"]
     launched, folder = run_at_once(
         [
             *launcher_command("horovodrun-gloo", 2),
             *evaluate,
-            fresh,
-            "--label-offset",
-            "1",
+            f"{fresh}/*",  # both sets of files; their labels and names are read as the run read its own
             "--report",
             tmp_path / "fresh.json",
         ],
@@ -339,7 +435,7 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
     for proc in (launched, folder):
         assert proc.returncode == 0, output_of(proc)
     # Rank 0 read every other file; the index it wrote has all of them.
-    files = sorted(n for n in os.listdir(fresh) if not n.startswith("hvd_train-index-"))
+    files = sorted(n for n in os.listdir(fresh) if not n.startswith("."))
     assert re.search(rf"read \d+ records of {len(files[0::2])} TFRecord files", launched.stderr), output_of(launched)
     assert f"indexed 115 records in {len(files)} TFRecord files" in launched.stderr
     by_records, by_folder = (read_json(tmp_path / f"{name}.json") for name in ("fresh", "folder"))

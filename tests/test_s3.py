@@ -160,10 +160,13 @@ def test_other_tools_records_in_s3_read_as_the_same_local_files_and_keep_their_i
     assert remote.classes == expected.classes and [s.file for s in remote.shards] == names
     assert [s.offsets for s in remote.shards] == [s.offsets for s in expected.shards]
     assert pairs(remote) == pairs(expected) and len(pairs(remote)) == 5
-    kept = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="garden/hvd_train-index-")["Contents"]]
+    kept = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="garden/.hvd_train-index-")["Contents"]]
     assert len(kept) == 1 and f"the index is s3://{bucket}/{kept[0]}" in caplog.text
     caplog.clear()
     assert records.load(url, "--data", OPTIONS, options) == remote and "from the index s3://" in caplog.text
+    one = records.load(f"{url}{names[1]}", "--val-data", OPTIONS, options, remote.classes)  # a file named alone
+    first = remote.shards[0].images
+    assert [s.file for s in one.shards] == [names[1]] and pairs(one) == pairs(remote)[first : first + len(one)]
 
 
 def test_missing_bucket_names_the_bucket(s3):

@@ -104,6 +104,7 @@ def csv_options(args: argparse.Namespace, *urls: str):
 
 
 RECORD_FIELDS = ("record_image_key", "record_label_key", "label_offset", "class_names")
+RECORD_OWN = ("image_key", "label_key", "label_offset", "class_names")  # their names in RecordOptions
 
 
 def add_record_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,4 +123,5 @@ def record_options(args: argparse.Namespace):
     """The ``data.features.RecordOptions`` of the options ``add_record_arguments`` gave."""
     from hvd_train.data.features import RecordOptions
 
-    return RecordOptions(*(getattr(args, name) for name in RECORD_FIELDS))
+    default = RecordOptions()
+    return RecordOptions(*(getattr(args, name, getattr(default, f)) for name, f in zip(RECORD_FIELDS, RECORD_OWN)))

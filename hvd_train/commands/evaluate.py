@@ -75,10 +75,14 @@ def run(args: argparse.Namespace) -> int:
             agreed=True,
         )
     records = dataclasses.replace(record_options(args), split=args.data_split)
+    given = bool(records.given())
+    if not given:  # other tools' records are read as the run read its own: the same labels, the same names
+        records = dataclasses.replace(record_options(argparse.Namespace(**trained.data)), split=args.data_split)
     images = evaluation_set(
         args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3, table=table, records=records
     )
-    refuse_unused(records, images)
+    if given:
+        refuse_unused(records, images)
     refuse_split(args.data_split, "--data-split", images)
     held_out = eval_dataset(
         images,

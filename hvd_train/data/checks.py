@@ -36,7 +36,7 @@ from hvd_train.log import Ticker, get_logger
 log = get_logger("data")
 
 # How each format starts, and how a whole file of it ends (trailing padding aside).
-_FORMATS = (
+FORMATS = (
     (b"\xff\xd8\xff", b"\xff\xd9"),  # JPEG: SOI ... EOI
     (b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"),  # PNG: signature ... IEND chunk
     (b"GIF8", b";"),  # GIF: header ... trailer
@@ -63,7 +63,7 @@ def looks_whole(path: str) -> bool:
         return False
     finally:
         os.close(fd)
-    for start, end in _FORMATS:
+    for start, end in FORMATS:
         if head.startswith(start):
             return tail.endswith(end)
     return False  # BMPs too: rare, and some bit depths do not decode

@@ -28,10 +28,11 @@ import hashlib
 import json
 import os
 import re
-from collections import Counter
 from dataclasses import dataclass
 
-from hvd_train.data import record_index, storage, tfds
+import numpy as np
+
+from hvd_train.data import record_classes, record_index, storage, tfds
 from hvd_train.data.features import RecordFeatures, RecordOptions
 from hvd_train.data.packed import MANIFEST, Shard, ShardSet
 from hvd_train.distributed.context import Context
@@ -43,19 +44,27 @@ log = get_logger("data")
 RECORD_NAME = re.compile(r"\.(tfrecords?|tfrec)(-\d+-of-\d+)?$|-\d+-of-\d+$", re.IGNORECASE)
 COMPRESSED = re.compile(r"\.(tfrecords?|tfrec)(-\d+-of-\d+)?\.(gz|zz|zlib)$", re.IGNORECASE)
 _PATTERN = re.compile(r"[*?\[]")
+_NUMBERED = re.compile(r"-(\d+)-of-(\d+)")
 PACKED_NAME = re.compile(r"shard-(\d{3}-)?\d{5}\.tfrecord")  # as hvd-train pack names its shards
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """``(folder, pattern)`` of ``url``: a pattern or a file's name in its last segment, else ``""``."""
+    """``(folder, pattern)`` of ``url``: a pattern or a file's name in its last segment, else ``""``.
+
+    A last segment named as a TFRecord file is one (in S3 too), and a local
+    file whose name has ``*``, ``?`` or ``[`` is that file.
+    """
     head, _, last = url.rstrip("/").rpartition("/")
-    if _PATTERN.search(last) or (RECORD_NAME.search(last) and not url.endswith("/") and not _is_folder(url)):
+    if url.endswith("/") or not last:
+        return url, ""
+    if storage.is_s3(url):
+        whole = RECORD_NAME.search(last) and not _PATTERN.search(last)
+        return (head, last) if (whole or _PATTERN.search(last)) else (url, "")
+    if os.path.isdir(url):
+        return url, ""
+    if _PATTERN.search(last) or RECORD_NAME.search(last) or COMPRESSED.search(last):
         return head or ".", last
     return url, ""
-
-
-def _is_folder(url: str) -> bool:
-    return storage.is_s3(url) or os.path.isdir(url)
 
 
 def is_records(url: str, s3: storage.S3Options | None = None) -> bool:
@@ -66,16 +75,19 @@ def is_records(url: str, s3: storage.S3Options | None = None) -> bool:
     folder, pattern = split_url(url)
     if pattern:
         return True
-    if storage.is_s3(url):
-        names = storage.open_store(url, s3).children("", "--data")[1]
-    elif os.path.isdir(url):
-        names = [e.name for e in os.scandir(url) if e.is_file()]
-    else:
-        return False
+    try:
+        if storage.is_s3(url):
+            names = storage.open_store(url, s3).children("", "--data")[1]
+        elif os.path.isdir(url):
+            names = [e.name for e in os.scandir(url) if e.is_file()]
+        else:
+            return False
+    except OSError as e:
+        raise UserError(f"cannot list {url} ({e.strerror or e}); check that it can be read.") from None
     found = [n for n in names if RECORD_NAME.search(n) or COMPRESSED.search(n)]
     if MANIFEST in names or (found and all(PACKED_NAME.fullmatch(n) for n in found)):
         return False  # a shard set, or the shards of a pack that has not finished (folder.py says so)
-    return tfds.INFO in names or bool(found)
+    return bool(found)  # a TFDS folder's shards are named so too
 
 
 @dataclass(frozen=True)
@@ -107,27 +119,30 @@ def source(url: str, flag: str, s3: storage.S3Options, options: RecordOptions, h
     folder, pattern = split_url(url)
     store = storage.open_store(folder, s3)
     found = _listed(store, flag)
-    where = storage.redact_url(url)
+    where = f"{flag} {storage.redact_url(url)}"
     if not pattern and tfds.is_tfds(store):
-        own = [f for f, _ in options.given()]
-        if own:
-            raise UserError(
-                f"{own[0]} tells how other tools' TFRecords are read, and {flag} {where} is a TFDS folder, which "
-                f"says it itself; leave it out."
+        given = [f for f, _ in options.given()]
+        if given:
+            log.info(
+                "%s is a TFDS folder, which names its features and classes itself: %s is not applied",
+                where,
+                ", ".join(given),
             )
         split = tfds.split_of(store, options.split, held_out, flag, f"{flag}-split")
         by_name = {f[0]: f for f in found}
         absent = [name for name in split.files if name not in by_name]
         if absent:
             raise UserError(
-                f"{len(absent)} of the {len(split.files)} files of split {split.name!r} are not in {flag} {where} "
+                f"{len(absent)} of the {len(split.files)} files of split {split.name!r} are not in {where} "
                 f"(the first: {absent[0]}); prepare the dataset again, or copy all of its files."
             )
         effective = RecordOptions(split.image_key, split.label_key)
         return Source(store, tuple(by_name[n] for n in split.files), effective, f"tfds:{split.name}", split)
     if options.split:
-        raise UserError(f"{flag}-split tells which split of a TFDS folder is read, and {flag} {where} is none.")
-    if pattern:
+        raise UserError(f"{flag}-split tells which split of a TFDS folder is read, and {where} is none; leave it out.")
+    if pattern and any(f[0] == pattern for f in found):
+        files = [f for f in found if f[0] == pattern]
+    elif pattern:
         files = sorted(f for f in found if fnmatch.fnmatchcase(f[0], pattern))
     else:
         files = sorted(f for f in found if RECORD_NAME.search(f[0]))
@@ -136,21 +151,49 @@ def source(url: str, flag: str, s3: storage.S3Options, options: RecordOptions, h
     )
     if compressed:
         raise UserError(
-            f"{storage.join(store.url, compressed[0])} is a compressed TFRecord file ({flag} {where}); a rank "
-            f"reads its share of a file in byte ranges, which compression prevents: write the records uncompressed."
+            f"{storage.join(store.url, compressed[0])} is a compressed TFRecord file ({where}); a rank reads its "
+            f"share of a file in byte ranges, which compression prevents: write the records uncompressed."
         )
     if not files:
         raise UserError(
-            f"{flag} {where} matches no TFRecord file; give a folder of *.tfrecord files, or a pattern such "
-            f"as 'DIR/train-*'."
+            f"{where} matches no TFRecord file; give a folder of *.tfrecord files, or a pattern such as 'DIR/train-*'."
         )
+    _check_families([f[0] for f in files], bool(pattern), where)
     return Source(store, tuple(files), options, pattern)
+
+
+def _check_families(names: list[str], chosen: bool, where: str) -> None:
+    """Files named ``<stem>-<i>-of-<n>``: more than one stem in a folder given whole (``train-*`` and
+    ``validation-*``) is refused, a stem with fewer than ``n`` files warned of."""
+    families: dict[str, tuple[int, set[int]]] = {}
+    for name in names:
+        found = _NUMBERED.search(name)
+        if found:
+            stem = name[: found.start()] + name[found.end() :]
+            families.setdefault(stem, (int(found.group(2)), set()))[1].add(int(found.group(1)))
+    if len(families) > 1 and not chosen:
+        stems = sorted(families)
+        raise UserError(
+            f"{where} holds the files of {len(stems)} sets ({', '.join(f'{s}-*' for s in stems[:4])}): training "
+            f"and held-out records, mostly. Give one with a pattern, e.g. '{where.split(' ', 1)[1].rstrip('/')}/"
+            f"{stems[0]}-*'."
+        )
+    for stem, (count, present) in sorted(families.items()):
+        if len(present) < count:
+            log.warning(
+                "%s has %d of the %d files of %s-*-of-%05d: the others are not read",
+                where,
+                len(present),
+                count,
+                stem,
+                count,
+            )
 
 
 def _listed(store: storage.Store, flag: str) -> list[tuple[str, int, str]]:
     """The files directly in ``store``'s folder, as ``(name, size, stamp)``; hidden files and indexes left out."""
     if isinstance(store, storage.S3Store):
-        found = [(rel, size, etag) for rel, (size, etag) in store.list_with_etags(flag).items() if "/" not in rel]
+        found = store.files_here(flag)
     else:
         try:
             entries = [(e.name, e.stat()) for e in os.scandir(store.url) if e.is_file()]
@@ -194,15 +237,11 @@ def prepare(
     )
 
 
-def is_indexed(data) -> bool:
-    """Whether ``data`` (a listing or shard set) is other tools' TFRecords or a TFDS split, read here."""
-    return isinstance(data, ShardSet) and data.features.kind != "pack"
-
-
 def refuse_unused(options: RecordOptions, *data) -> None:
-    """Raises when an option of ``options`` is given and none of ``data`` is other tools' TFRecords."""
+    """Raises when an option of ``options`` is given and none of ``data`` is other tools' TFRecords (a TFDS
+    folder names its features and classes itself)."""
     given = options.given()
-    if given and not any(map(is_indexed, data)):
+    if given and not any(isinstance(d, ShardSet) and d.features.kind == "records" for d in data):
         raise UserError(
             f"{given[0][0]} tells how other tools' TFRecord files are read, and no data given names some; "
             f"leave it out.",
@@ -247,7 +286,7 @@ def load(
             classes with records must be among them.
     """
     found = source(url, flag, s3, options or RecordOptions(), held_out=classes is not None)
-    options = found.options
+    where = f"{flag} {storage.redact_url(url)}"
     entries = record_index.build(found, s3, flag)
     if found.split is not None:
         short = [
@@ -259,15 +298,15 @@ def load(
                 f"{found.store.full(name)} holds {have} records where {tfds.INFO} says {want} ({flag}); "
                 f"prepare the dataset again."
             )
-    kinds = {type(label) for e in entries for label in e["labels"][:1]}
-    if len(kinds) > 1:
+    bad = [(e["file"], i, why) for e in entries for i, why in e.get("bad", [])]
+    if bad:
+        name, i, why = bad[0]
         raise UserError(
-            f"the labels of {flag} {storage.redact_url(url)} ({options.label_key}) are integers in some files and "
-            f"strings in others; give files of one kind."
+            f"{len(bad)} record(s) of {where} hold no image that decodes (the first: record {i} of "
+            f"{found.store.full(name)}: {why}); a record cannot be passed over inside its file: write the files "
+            f"again without them."
         )
-    strings = kinds == {str}
-    names = list(found.split.classes) if found.split is not None else None
-    own, labels_of = _classes(entries, strings, options, names, s3, flag, url)
+    own, labels_of = record_classes.own_classes(entries, found, s3, where, held_out=classes is not None)
     counts_own = [0] * len(own)
     for e in entries:
         for label in labels_of(e):
@@ -276,101 +315,43 @@ def load(
         empty = [c for c, n in zip(own, counts_own) if n == 0]
         if empty:
             raise UserError(
-                f"class {empty[0]!r} has no record in {flag} {storage.redact_url(url)} ({len(empty)} of {len(own)} "
-                f"classes have none); every class needs images to train on: check --class-names and --label-offset."
+                f"class {empty[0]!r} has no record in {where} ({len(empty)} of {len(own)} classes have none); every "
+                f"class needs images to train on: check --class-names and --label-offset."
             )
         classes = own
     unknown = [c for c, n in zip(own, counts_own) if n and c not in classes]
     if unknown:
         raise UserError(
-            f"class {unknown[0]!r} of {flag} {storage.redact_url(url)} is not a training class; training classes "
-            f"are: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}."
+            f"class {unknown[0]!r} of {where} is not a training class; training classes are: "
+            f"{', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}."
         )
     index = {c: i for i, c in enumerate(classes)}
-    label_map = tuple(index.get(c, 0) for c in own)  # a class without records is never looked up
+    label_map = tuple(index.get(c, 0) if n else 0 for c, n in zip(own, counts_own))  # no record: never looked up
     counts = [0] * len(classes)
     for c, n in zip(own, counts_own):
         if n:
             counts[index[c]] += n
     shards = tuple(Shard(e["file"], len(e["offsets"]), e["bytes"], tuple(e["offsets"])) for e in entries)
-    vocabulary = tuple(own) if strings else ()
+    options = found.options
+    vocabulary = tuple(own) if isinstance(entries[0]["labels"][0], str) else ()
     kind = "tfds" if found.split is not None else "records"
     features = RecordFeatures(options.image_key, options.label_key, options.label_offset, vocabulary, kind)
-    identity = [[e["file"], e["stamp"]] for e in entries], features.__dict__, own
     return ShardSet(
         found.store.url,
         list(classes),
         shards,
         label_map,
         tuple(counts),
-        digest=hashlib.sha256(json.dumps(identity, sort_keys=True, default=list).encode()).hexdigest()[:16],
+        digest=_digest(entries, features, own),
         features=features,
     )
 
 
-def _classes(entries: list[dict], strings: bool, options: RecordOptions, names: list[str] | None, s3, flag, url):
-    """The set's own classes in label order, and ``labels_of(entry)``: an entry's labels as indices into them.
-
-    ``names``: the classes a TFDS folder names, if it is one."""
-    where = f"{flag} {storage.redact_url(url)}"
-    if options.class_names:
-        names = _names_file(options.class_names, s3)
-    if strings:
-        found = sorted({label for e in entries for label in e["labels"]})
-        own = names if names is not None else found
-        position = {c: i for i, c in enumerate(own)}
-        missing = [c for c in found if c not in position]
-        if missing:
-            raise UserError(
-                f"label {missing[0]!r} of {where} is not in --class-names {options.class_names} ({len(missing)} "
-                f"labels are not); add it there."
-            )
-        return own, lambda e: [position[label] for label in e["labels"]]
-    offset = options.label_offset
-    low = min(min(e["labels"]) for e in entries if e["labels"]) - offset
-    high = max(max(e["labels"]) for e in entries if e["labels"]) - offset
-    if low < 0:
-        raise UserError(
-            f"{where} has the label {low + offset} ({options.label_key}), below --label-offset {offset}; "
-            f"{'pass --label-offset 0' if low + offset == 0 else 'check --label-offset'}."
-        )
-    if names is not None:
-        if high >= len(names):
-            named = f"--class-names {options.class_names}" if options.class_names else "its folder"
-            raise UserError(
-                f"{where} has the label {high + offset}, and {named} names {len(names)} classes (labels {offset} "
-                f"to {len(names) - 1 + offset}); check --label-offset."
-            )
-        own = names
-    else:
-        own = _text_names(entries, offset, high + 1) or [str(i) for i in range(high + 1)]
-    return own, lambda e: [label - offset for label in e["labels"]]
-
-
-def _text_names(entries: list[dict], offset: int, count: int) -> list[str] | None:
-    """Class names from the records' own text (``record_index.TEXT_KEYS``): one per label, all distinct."""
-    for key in record_index.TEXT_KEYS:
-        seen: dict[int, set[str]] = {}
-        for e in entries:
-            for label, texts in e["texts"].get(key, {}).items():
-                seen.setdefault(int(label) - offset, set()).update(texts)
-        names = [seen.get(i, set()) for i in range(count)]
-        if all(len(n) == 1 for n in names) and len({next(iter(n)) for n in names}) == count:
-            return [next(iter(n)) for n in names]
-    return None
-
-
-def _names_file(path: str, s3) -> list[str]:
-    """The lines of a ``--class-names`` file, one class a line (blank lines ignored)."""
-    try:
-        text = (storage.read_url(path, s3) if storage.is_s3(path) else open(path, "rb").read()).decode("utf-8-sig")
-    except OSError as e:
-        raise UserError(f"cannot read --class-names {path} ({e.strerror or e}).") from None
-    except UnicodeDecodeError:
-        raise UserError(f"--class-names {path} is not UTF-8 text; save it as UTF-8, one class a line.") from None
-    names = [line.strip() for line in text.splitlines() if line.strip()]
-    twice = sorted(n for n, k in Counter(names).items() if k > 1)
-    if not names or twice:
-        why = f"names {twice[0]!r} twice" if twice else "names no class"
-        raise UserError(f"--class-names {path} {why}; give one distinct class a line, in label order.")
-    return names
+def _digest(entries: list[dict], features: RecordFeatures, own: list[str]) -> str:
+    """What the set holds (files, records, labels, how they are read), not where or when the files were written:
+    the same set copied elsewhere has the same digest."""
+    digest = hashlib.sha256(json.dumps([features.__dict__, own], sort_keys=True, default=list).encode())
+    for e in entries:
+        digest.update(json.dumps([e["file"], e["bytes"], e["labels"]]).encode())
+        digest.update(np.asarray(e["offsets"], np.int64).tobytes())
+    return digest.hexdigest()[:16]

@@ -239,6 +239,15 @@ class S3Store(Store):
             for o in page.get("Contents", [])
         }
 
+    def files_here(self, flag: str) -> list[tuple[str, int, str]]:
+        """The objects directly below the prefix (a listing of one level): ``(name, size, ETag)``."""
+        return [
+            (o["Key"][len(self.prefix) :], int(o["Size"]), o.get("ETag", "").strip('"'))
+            for page in self._pages(self.prefix, flag, Delimiter="/")
+            for o in page.get("Contents", [])
+            if o["Key"] != self.prefix
+        ]
+
     def list_by_folder(self, flag: str, ticker=None) -> list[tuple[str, int]]:
         """Like ``list``, with one listing stream per top-level folder, in parallel.
 

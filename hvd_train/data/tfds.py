@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from hvd_train.data import storage
+from hvd_train.data.record_classes import check_names
 from hvd_train.errors import UserError
 from hvd_train.files import plain_name
 
@@ -41,6 +42,7 @@ class Split:
 
 
 def is_tfds(store: storage.Store) -> bool:
+    """Whether ``store`` (a folder of TFRecord files) is a prepared TFDS folder."""
     return store.exists(INFO)
 
 
@@ -49,9 +51,20 @@ def split_of(store: storage.Store, split: str, held_out: bool, flag: str, split_
 
     Raises:
         UserError: naming the folder and the fix, for a split it lacks, files
-            in another format, or features that are no image and class label.
+            in another format, features that are no image and class label, or
+            a description that is not as TFDS writes it.
     """
     where = f"{flag} {storage.redact_url(store.url)}"
+    try:
+        return _split_of(store, split, held_out, where, split_flag)
+    except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"{where}: its {INFO} or {FEATURES} is not as TFDS writes it ({type(e).__name__}: {e}); prepare the "
+            f"dataset again."
+        ) from None
+
+
+def _split_of(store: storage.Store, split: str, held_out: bool, where: str, split_flag: str) -> Split:
     info = _json(store, INFO, where)
     fmt = info.get("fileFormat") or "tfrecord"
     if fmt != "tfrecord":
@@ -76,10 +89,16 @@ def split_of(store: storage.Store, split: str, held_out: bool, flag: str, split_
         .replace("{FILEFORMAT}", fmt)
         .replace("{SHARD_INDEX}", f"{i:05d}")
         .replace("{SHARD_X_OF_Y}", f"{i:05d}-of-{count:05d}")
+        .replace("{NUM_SHARDS}", f"{count:05d}")
         for i in range(count)
     )
-    if not files or not all(map(plain_name, files)):
-        raise UserError(f"{where}: {INFO} names no files of split {split!r} in its folder; prepare it again.")
+    if not files:
+        raise UserError(f"{where}: {INFO} names no files of split {split!r}; prepare the dataset again.")
+    if not all(map(plain_name, files)):
+        raise UserError(
+            f"{where}: {INFO} names the files of split {split!r} as {files[0]!r}, not files of its own folder, "
+            f"which are all that is read."
+        )
     image_key, label_key, classes = _features(store, info, where)
     return Split(split, files, lengths, image_key, label_key, classes)
 
@@ -105,6 +124,7 @@ def _features(store: storage.Store, info: dict, where: str) -> tuple[str, str, t
     names_file = f"{label_key.replace('/', '-')}.labels.txt"
     if store.exists(names_file):
         classes = tuple(line.strip() for line in store.read(names_file).decode("utf-8").splitlines() if line.strip())
+        check_names(list(classes), store.full(names_file), "prepare the dataset again")
     else:
         count = int(features[label_key].get("classLabel", {}).get("numClasses", 0))
         classes = tuple(str(i) for i in range(count))

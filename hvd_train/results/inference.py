@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class Trained:
         alpha_background: what transparent pixels were composited over in training.
         head: the folder of the head's arrays when the head was saved as files and is left there
             (``load_trained(sharded=True)``); ``model`` is then the network up to the head.
+        data: the run's data options (``run_config.yaml``'s ``data``), for reading held-out data as the run read
+            its own.
     """
 
     model: object
@@ -55,6 +58,7 @@ class Trained:
     preprocess: object
     alpha_background: str = "white"
     head: str | None = None
+    data: dict = dataclasses.field(default_factory=dict)
 
 
 def load_trained(model_dir: str, sharded: bool = False) -> Trained:
@@ -103,6 +107,7 @@ def load_trained(model_dir: str, sharded: bool = False) -> Trained:
         preprocess=spec.preprocess_input(),
         alpha_background=str(run_config["data"].get("alpha_background", "white")),
         head=head,
+        data=dict(run_config["data"]),
     )
 
 
