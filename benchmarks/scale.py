@@ -220,9 +220,11 @@ def records_runs(tree: Path, n: int, work: Path, check: str, env: dict) -> list[
     whole = ("--val-split", "0")
     runs = [("pack's shards", start_to_first_step(str(shards), work / "out-shards", check, env, 1, whole))]
     offset = (*whole, "--label-offset", "1")
-    for name, np in (("records, no index, 2 workers", 2), ("records, no index", 1), ("records, index kept", 1)):
+    size = sum(p.stat().st_size for p in (work / "garden").iterdir()) / n
+    print(f"records of {size / 1e3:.1f} kB on average", flush=True)
+    for name, np in (("records, no index", 1), ("records, index kept", 1), ("records, no index, 2 workers", 2)):
         if "no index" in name:
-            for index in (work / "garden").glob("hvd_train-index-*"):
+            for index in (work / "garden").glob(".hvd_train-index-*"):
                 index.unlink()
         runs.append((name, start_to_first_step(garden, work / f"out-{np}-{len(runs)}", check, env, np, offset)))
         print(_row(name, n, runs[-1][1]), f"(records read in {runs[-1][1].get('records_read', 0):.1f} s)", flush=True)

@@ -152,7 +152,7 @@ def test_string_labels_under_keys_of_ones_own_and_names_from_a_file(pack_of_tree
     assert named.classes == ours.classes and pairs(named) == pairs(ours)
 
 
-def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree, tmp_path):
+def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree, tmp_path, caplog):
     out = tmp_path / "garden"
     names = rewrite(pack_of_tree, out, offset=1)
 
@@ -204,7 +204,11 @@ def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree
     with pytest.raises(UserError, match=r"class 'owl' of --val-data .* is not a training class"):
         records.load(f"{out}/train-*", "--val-data", S3Options(), options, ["cat", "dog"])
     # Two sets of files in one folder given whole: the training and held-out records, mostly.
-    rewrite(pack_of_tree, out, stem="validation", offset=1)
+    held = rewrite(pack_of_tree, out, stem="validation", offset=1)
+    os.unlink(out / held[0])
+    caplog.set_level(logging.WARNING, logger="hvd_train")
+    records.load(f"{out}/validation-*", "--val-data", S3Options(), RecordOptions(label_offset=1), ["0", "1", "2"])
+    assert f"has {len(held) - 1} of the {len(held)} files of validation-*-of-{len(held):05d}" in caplog.text
     refused(r"holds the files of 2 sets \(train-\*, validation-\*\): .* Give one with a pattern, e.g. '.*/train-\*'")
 
 

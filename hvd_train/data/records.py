@@ -8,7 +8,9 @@ the files of a pipeline of one's own) is read as it is. Each record is a
 (default ``image/class/label``), an integer less ``--label-offset`` (1 for
 sets that count from 1) or a string. The files are those of the folder
 whose names TFRecord files have (``*.tfrecord``, ``*.tfrec``,
-``*-00000-of-01024``), or those a pattern in the last segment matches.
+``*-00000-of-01024``; of one set: ``train-*`` and ``validation-*`` in one
+folder need a pattern), one file, or those a pattern in the last segment
+matches.
 
 The classes are the string labels, sorted; for integer labels the lines of
 ``--class-names``, else the records' ``image/class/synset`` or
@@ -16,7 +18,7 @@ The classes are the string labels, sorted; for integer labels the lines of
 
 A rank reads its exact share with ranged reads, as of a packed set, which
 needs each record's byte offset: one pass over the files gives them (with
-the labels, every checksum verified). That pass is made once, each rank a
+the labels, every checksum verified, every image checked). That pass is made once, each rank a
 share of the files under a launcher, and kept as an index (``record_index``);
 a later run whose files are unchanged starts from the index.
 """
@@ -113,16 +115,18 @@ class Source:
     split: tfds.Split | None = None
 
 
-def source(url: str, flag: str, s3: storage.S3Options, options: RecordOptions, held_out: bool = False) -> Source:
+def source(
+    url: str, flag: str, s3: storage.S3Options, options: RecordOptions, held_out: bool = False, warn: bool = False
+) -> Source:
     """The records of ``url``: a folder's TFRecord files, those a pattern matches, or a TFDS folder's split
-    (``options.split``; held-out data defaults to ``validation``)."""
+    (``options.split``; held-out data defaults to ``validation``). ``warn``: say what is odd (once a load)."""
     folder, pattern = split_url(url)
     store = storage.open_store(folder, s3)
     found = _listed(store, flag)
     where = f"{flag} {storage.redact_url(url)}"
     if not pattern and tfds.is_tfds(store):
         given = [f for f, _ in options.given()]
-        if given:
+        if given and warn:
             log.info(
                 "%s is a TFDS folder, which names its features and classes itself: %s is not applied",
                 where,
@@ -158,11 +162,11 @@ def source(url: str, flag: str, s3: storage.S3Options, options: RecordOptions, h
         raise UserError(
             f"{where} matches no TFRecord file; give a folder of *.tfrecord files, or a pattern such as 'DIR/train-*'."
         )
-    _check_families([f[0] for f in files], bool(pattern), where)
+    _check_families([f[0] for f in files], bool(pattern), where, warn)
     return Source(store, tuple(files), options, pattern)
 
 
-def _check_families(names: list[str], chosen: bool, where: str) -> None:
+def _check_families(names: list[str], chosen: bool, where: str, warn: bool) -> None:
     """Files named ``<stem>-<i>-of-<n>``: more than one stem in a folder given whole (``train-*`` and
     ``validation-*``) is refused, a stem with fewer than ``n`` files warned of."""
     families: dict[str, tuple[int, set[int]]] = {}
@@ -179,7 +183,7 @@ def _check_families(names: list[str], chosen: bool, where: str) -> None:
             f"{stems[0]}-*'."
         )
     for stem, (count, present) in sorted(families.items()):
-        if len(present) < count:
+        if len(present) < count and warn:
             log.warning(
                 "%s has %d of the %d files of %s-*-of-%05d: the others are not read",
                 where,
@@ -285,7 +289,7 @@ def load(
         classes: the training classes when loading held-out data: the set's
             classes with records must be among them.
     """
-    found = source(url, flag, s3, options or RecordOptions(), held_out=classes is not None)
+    found = source(url, flag, s3, options or RecordOptions(), held_out=classes is not None, warn=True)
     where = f"{flag} {storage.redact_url(url)}"
     entries = record_index.build(found, s3, flag)
     if found.split is not None:
