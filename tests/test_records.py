@@ -289,7 +289,9 @@ def test_trains_flags_reach_the_records_and_are_refused_where_no_records_are(pac
     assert (len(train), len(val)) == (6, 12) and train.classes == val.classes == ["cat", "dog", "owl"]
     with pytest.raises(UserError, match=r"is a split of a TFDS folder, which --val-split cannot divide; pass the "):
         sets("--data", pets)
-    with pytest.raises(UserError, match=r"--val-data-split test tells which split of a TFDS folder is read, and its"):
+    with pytest.raises(
+        UserError, match=r"--val-data-split test tells which split of a TFDS folder or rows of a CSV are read, and its"
+    ):
         sets("--data", pets, "--val-data", tmp_path / "images", "--val-data-split", "test")
     with pytest.raises(UserError, match=r"`--label-offset` is invalid. Received: label_offset=-1; use a whole"):
         sets("--data", out, "--label-offset", "-1")

@@ -293,3 +293,74 @@ def test_a_hidden_file_is_refused_and_an_absolute_path_is_read_as_the_root_write
     doubled = [f"/{tree}//{row}" for row in rows]
     csv = table(tmp_path / "d.csv", ["path,label", *doubled])
     assert read_table(csv, "--data", options=TableOptions(image_root=str(tree))).digest == list_folder(str(tree)).digest
+
+
+def test_a_split_column_trains_on_its_train_rows_and_holds_out_its_validation_rows(tmp_path):
+    """Rows marked train, validation and test: training takes the train rows, held-out data the validation rows
+    (or the split named), ``pack`` writes both; an image in two splits and a split the CSV lacks are refused."""
+    import argparse
+
+    from hvd_train import config
+    from hvd_train.data import packed
+    from hvd_train.data.storage import S3Options
+    from hvd_train.data.table import read_table_pair
+    from hvd_train.distributed.context import Context
+    from hvd_train.training.stages import training_sets
+
+    tree = write_images(tmp_path / "images", {"cat": 9, "dog": 9, "owl": 6}, size=8)
+    rows = rows_of(tree)
+    marked = [f"{row},{('train', 'validation', 'test')[i % 3]}" for i, row in enumerate(rows)]
+    csv = table(tree / "labels.csv", ["path,label,Split", *marked])
+    by_split = {
+        s: sorted(r.split(",")[0] for r in marked if r.endswith("," + s)) for s in ("train", "validation", "test")
+    }
+
+    def names(images):
+        return sorted(images.relative(i) for i in range(len(images)))
+
+    train, held = read_table_pair(csv, "--data", None, TableOptions())
+    assert names(train) == by_split["train"] and names(held) == by_split["validation"]
+    assert held.classes == train.classes == read_table(csv, "--data").classes
+    assert names(read_table(csv, "--data")) == by_split["train"]
+    assert names(read_table(csv, "--val-data", classes=train.classes)) == by_split["validation"]  # evaluate's default
+    test = read_table(csv, "--val-data", options=TableOptions(split="test"), classes=train.classes)
+    assert names(test) == by_split["test"]
+
+    def sets(*argv):
+        parser = argparse.ArgumentParser()
+        config.add_arguments(parser)
+        cfg = config.from_sources(parser.parse_args(["--output", str(tmp_path / "run"), *map(str, argv)]))
+        return training_sets(cfg.data, 0, Context())
+
+    train, held = sets("--data", csv)  # no --val-data, no --val-split: the CSV's validation rows
+    assert names(train) == by_split["train"] and names(held) == by_split["validation"]
+    train, held = sets(
+        "--data", csv, "--data-split", "test", "--val-data-split", "train", "--min-images-per-label", "1"
+    )
+    assert names(train) == by_split["test"] and names(held) == by_split["train"]
+    with pytest.raises(
+        UserError,
+        match=r"has no rows of split 'dev'; its splits are: test, train, validation\. "
+        r"Name one with --val-data-split",
+    ):
+        sets("--data", csv, "--val-data-split", "dev")
+    with pytest.raises(UserError, match=r"--data-split train picks rows by their split, and --data .* has no column"):
+        sets("--data", table(tree / "plain.csv", ["path,label", *rows]), "--data-split", "train")
+    with pytest.raises(UserError, match=r"--val-data-split test tells which split of a TFDS folder or rows of a CSV"):
+        sets("--data", tree, "--val-data-split", "test")
+    # pack: the train rows into DST/train, the validation rows into DST/val.
+    written = packed.pack(
+        csv, str(tmp_path / "packed"), shard_size=1 << 20, on_bad_image="skip", seed=1, s3=S3Options()
+    )
+    assert [m["images"] for m in written.values()] == [len(by_split["train"]), len(by_split["validation"])]
+    with pytest.raises(UserError, match=r"holds out rows of its own \(its split column\); leave --val-split out"):
+        packed.pack(
+            csv, str(tmp_path / "p2"), shard_size=1 << 20, on_bad_image="skip", seed=1, s3=S3Options(), val_split=0.2
+        )
+    # A column named otherwise; an image on rows of two splits.
+    fold = table(tree / "fold.csv", ["path,label,fold", *(m.replace(",validation", ",val") for m in marked)])
+    train, held = read_table_pair(fold, "--data", None, TableOptions(split_column="fold"))
+    assert names(held) == by_split["validation"]
+    leak = table(tree / "leak.csv", ["path,label,split", *marked, f"{marked[0].rsplit(',', 1)[0]},test"])
+    with pytest.raises(UserError, match=r"is on line 2 in split 'train' and on line .* in split 'test'; an image held"):
+        read_table(leak, "--data")

@@ -63,8 +63,8 @@ def add_alpha_argument(parser: argparse.ArgumentParser, default: str | None, hel
 
 # DataConfig's options of a CSV of labels, which the other commands that read one take as train does.
 CSV_PATHS = ("image_root", "path_column")  # where the images are: every command that reads a CSV
-CSV_LABELS = ("label_column",)  # what labels them: evaluate and export's checks
-CSV_TRAINING = ("label_column", "min_images_per_label")  # pack, whose CSV is a training set
+CSV_LABELS = ("label_column", "split_column")  # what labels them: evaluate and export's checks
+CSV_TRAINING = ("label_column", "min_images_per_label", "split_column")  # pack, whose CSV is a training set
 
 
 def add_csv_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
@@ -94,6 +94,7 @@ def csv_options(args: argparse.Namespace, *urls: str):
         getattr(args, "label_column", default.label_column),
         getattr(args, "image_root", default.image_root),
         getattr(args, "min_images_per_label", default.min_per_label),
+        getattr(args, "split_column", default.split_column),
     )
     given = [flag for flag, _ in options.given()]
     named = [url for url in urls if url]

@@ -37,7 +37,9 @@ def add_parser(subparsers) -> None:
     add_csv_arguments(parser, *CSV_PATHS, *CSV_LABELS)
     add_record_arguments(parser)
     parser.add_argument(
-        "--data-split", default="", help="a TFDS folder's split to score (default: validation, else test)"
+        "--data-split",
+        default="",
+        help="a TFDS folder's split or a CSV's rows to score (default: validation, else test)",
     )
     parser.add_argument(
         "--report",
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.results.inference import load_trained
     from hvd_train.training import s3_mirror
 
-    table = csv_options(args, args.data)  # refused before anything starts
+    table = dataclasses.replace(csv_options(args, args.data), split=args.data_split)  # refused before it starts
     ctx = start.init()
     s3 = S3Options(endpoint=args.s3_endpoint)
     # A run in S3: every rank reads its local copy (the staging folder); rank 0 uploads the report.
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if given:
         refuse_unused(records, images)
-    refuse_split(args.data_split, "--data-split", images)
+    refuse_split(args.data_split, "--data-split", images, args.data)
     held_out = eval_dataset(
         images,
         rank=ctx.rank,

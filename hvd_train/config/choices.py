@@ -110,6 +110,7 @@ class DataConfig:
     )
     path_column: str = _opt("", "--path-column", "a CSV's column of image paths (default: path, file, image, id, ...)")
     label_column: str = _opt("", "--label-column", "a CSV's column of labels (default: label, class, category, ...)")
+    split_column: str = _opt("", "--split-column", "a CSV's column of splits (default: split, subset, partition)")
     min_images_per_label: int = _opt(
         2, "--min-images-per-label", "fewest images a label of a training CSV may have (fewer: a typo, mostly)"
     )
@@ -121,9 +122,9 @@ class DataConfig:
     class_names: str = _opt(
         "", "--class-names", "other tools' TFRecords: a text file of class names, one a line, in label order"
     )
-    data_split: str = _opt("", "--data-split", "a TFDS folder's split to train on (default: train)")
+    data_split: str = _opt("", "--data-split", "a TFDS folder's split or a CSV's rows to train on (default: train)")
     val_data_split: str = _opt(
-        "", "--val-data-split", "a TFDS folder's split to hold out (default: validation, else test)"
+        "", "--val-data-split", "a TFDS folder's split or a CSV's rows to hold out (default: validation, else test)"
     )
     val_split: float = _opt(0.1, "--val-split", "fraction of each class held out when --val-data is not given")
     image_size: int = _opt(0, "--image-size", "side of the square model input in pixels (0: the model's default)")
@@ -155,7 +156,9 @@ class DataConfig:
 
     def table_options(self) -> TableOptions:
         """How a CSV of labels is read, as ``table.TableOptions``."""
-        return TableOptions(self.path_column, self.label_column, self.image_root, self.min_images_per_label)
+        return TableOptions(
+            self.path_column, self.label_column, self.image_root, self.min_images_per_label, self.split_column
+        )
 
     def record_options(self) -> RecordOptions:
         """How other tools' TFRecord files are read, as ``records.RecordOptions``."""

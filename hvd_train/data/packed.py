@@ -32,7 +32,7 @@ from hvd_train.data.features import RecordFeatures
 from hvd_train.data.fetcher import Fetcher
 from hvd_train.data.folder import ImageSet, list_folder, split_per_class
 from hvd_train.data.images import DEFAULT_ALPHA_BACKGROUND, flatten_alpha, report_bad_images, sort_out
-from hvd_train.data.table import TableOptions, is_table, read_table
+from hvd_train.data.table import TableOptions, is_table, read_table_pair
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.files import plain_name
@@ -254,8 +254,13 @@ def pack(
     ctx = ctx or Context()
 
     def listing():
-        images = read_table(src, "SRC", s3, table) if is_table(src) else list_folder(src, "SRC", s3=s3)
-        if val_split > 0:
+        images, held = read_table_pair(src, "SRC", s3, table or TableOptions()) if is_table(src) else (None, None)
+        images = list_folder(src, "SRC", s3=s3) if images is None else images
+        if held is not None:  # a CSV's own held-out rows, as --val-split would have packed them
+            if val_split > 0:
+                raise UserError(f"SRC {src} holds out rows of its own (its split column); leave --val-split out.")
+            parts = [(storage.join(dst, "train"), images), (storage.join(dst, "val"), held)]
+        elif val_split > 0:
             train, val = split_per_class(images, val_split, seed)
             parts = [(storage.join(dst, "train"), train), (storage.join(dst, "val"), val)]
         else:

@@ -37,6 +37,7 @@ import numpy as np
 from hvd_train.data import record_classes, record_index, storage, tfds
 from hvd_train.data.features import RecordFeatures, RecordOptions
 from hvd_train.data.packed import MANIFEST, Shard, ShardSet
+from hvd_train.data.table import is_table
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
@@ -271,11 +272,13 @@ def undivided(data: ShardSet, url: str) -> str:
     )
 
 
-def refuse_split(split: str, flag: str, data) -> None:
-    """Raises when ``flag`` names a split (``split``) and ``data`` is no TFDS folder's."""
-    if split and not (isinstance(data, ShardSet) and data.features.kind == "tfds"):
+def refuse_split(split: str, flag: str, data, url: str) -> None:
+    """Raises when ``flag`` names a split (``split``) and ``data`` (read from ``url``) is neither a TFDS folder's
+    nor a CSV's (one without a column of splits was refused as it was read)."""
+    if split and not (isinstance(data, ShardSet) and data.features.kind == "tfds") and not is_table(url):
         raise UserError(
-            f"{flag} {split} tells which split of a TFDS folder is read, and its data is none; leave it out.",
+            f"{flag} {split} tells which split of a TFDS folder or rows of a CSV are read, and its data is neither; "
+            f"leave it out.",
             agreed=True,
         )
 

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hvd_train.data import storage
+from hvd_train.data import storage, table_splits
 from hvd_train.data.folder import ImageSet, PathList
 from hvd_train.data.table_files import Listing
+from hvd_train.data.table_splits import SPLIT_COLUMNS
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
@@ -68,12 +69,15 @@ class TableOptions:
         image_root: the folder or ``s3://`` prefix paths are relative to
             ("": the CSV's folder).
         min_per_label: fewest rows a label of the training set may have.
+        split_column: the column of splits ("": found by name, if any: ``table_splits``).
     """
 
     path_column: str = ""
     label_column: str = ""
     image_root: str = ""
     min_per_label: int = 2
+    split_column: str = ""
+    split: str = ""  # the rows of this split ("": as ``table_splits.chosen`` picks); not a flag of its own
 
     def given(self) -> list[tuple[str, object]]:
         """``(flag, value)`` of each option that is not its default: what a command with no CSV refuses."""
@@ -83,6 +87,7 @@ class TableOptions:
             "path_column": "--path-column",
             "label_column": "--label-column",
             "min_per_label": "--min-images-per-label",
+            "split_column": "--split-column",
         }
         return [
             (flag, getattr(self, name)) for name, flag in flags.items() if getattr(self, name) != getattr(unset, name)
@@ -114,8 +119,26 @@ def read_table(
             images, or fewer than two labels.
     """
     options = options or TableOptions()
-    where, prefix, resolved = _resolved(url, flag, s3 or storage.S3Options(), options, labelled=True)
+    held_out = classes is not None
+    where, prefix, resolved = _resolved(url, flag, s3 or storage.S3Options(), options, True, held_out)[:3]
     return _image_set(resolved, prefix, classes, options.min_per_label, where)
+
+
+def read_table_pair(
+    url: str, flag: str, s3, options: TableOptions, held_split: str = ""
+) -> tuple[ImageSet, ImageSet | None]:
+    """The training images of a CSV, and its held-out images when it has a split column with held-out rows
+    (``held_split``, or the first of ``table_splits.HELD_OUT`` it has); the CSV read once."""
+    s3 = s3 or storage.S3Options()
+    where, prefix, resolved, rows, has_splits = _resolved(url, flag, s3, options, True, False)
+    train = _image_set(resolved, prefix, None, options.min_per_label, where)
+    held = held_split or table_splits.held_out_split(rows, has_splits)
+    if not held:
+        return train, None
+    kept = table_splits.chosen(rows, has_splits, held, True, where, "--val-data-split")
+    log.info("%s: training on its split %r, holding out its split %r", where, options.split or "train", held)
+    resolved = _found(kept, prefix, s3, where)
+    return train, _image_set(resolved, prefix, train.classes, options.min_per_label, where)
 
 
 def table_images(url: str, flag: str, options: TableOptions | None = None) -> list[str]:
@@ -127,18 +150,25 @@ def table_images(url: str, flag: str, options: TableOptions | None = None) -> li
     options = options or TableOptions()
     if storage.is_s3(url) or storage.is_s3(options.image_root):
         raise UserError(f"{flag} {storage.redact_url(url)}: the CSV and its images must be local; {flag} reads no S3.")
-    where, prefix, resolved = _resolved(url, flag, storage.S3Options(), options, labelled=False)
+    where, prefix, resolved = _resolved(url, flag, storage.S3Options(), options, False, False)[:3]
     return [prefix + name for _, name, _ in resolved]
 
 
-def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
-    """``(where, prefix, [(line, real path relative to prefix, label)])`` of the rows of a CSV, in its order."""
+def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool, held_out: bool):
+    """``(where, prefix, [(line, real path relative to prefix, label)], rows, has_splits)`` of the rows of a CSV
+    (of its split, if it has a column of splits: ``table_splits``), in its order."""
     where = f"{flag} {storage.redact_url(url)}"
     prefix = _prefix(options.image_root or _folder_of(url), where)
-    rows = _rows(_text(url, s3, where), url, options, where, labelled)
+    rows, has_splits = _rows(_text(url, s3, where), url, options, where, labelled)
+    kept = table_splits.chosen(rows, has_splits, options.split, held_out, where, f"{flag}-split") if labelled else rows
+    return where, prefix, _found(kept, prefix, s3, where, labelled), rows, has_splits
+
+
+def _found(rows: list[tuple], prefix: str, s3, where: str, labelled: bool = True) -> list[tuple[int, str, str]]:
+    """``[(line, real path relative to prefix, label)]`` of ``rows``, each checked and found."""
     hint = _root_hint(prefix)
     wanted, problems = [], []
-    for line, value, label in rows:
+    for line, value, label, _ in rows:
         rel, why = _relative(value, prefix)
         if why:
             problems.append(f"line {line}: {why}")
@@ -169,7 +199,7 @@ def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool):
         if seen != line:
             twice.append(f"{name} on lines {seen} and {line}")
     _refuse(twice, f"{where}: {{n}} image(s) are on more than one row", "give each image one row")
-    return where, prefix, resolved
+    return resolved
 
 
 def _text(url: str, s3, where: str) -> str:
@@ -204,9 +234,10 @@ def _text(url: str, s3, where: str) -> str:
         ) from None
 
 
-def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool) -> list[tuple[int, str, str]]:
-    """``(line, path, label)`` of each row below the header, stripped (the other columns are not kept); not
-    ``labelled``: "" for a label, unless the CSV has a column of labels."""
+def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool) -> tuple[list[tuple], bool]:
+    """``(line, path, label, split)`` of each row below the header, stripped (the other columns are not kept),
+    and whether the CSV has a column of splits; not ``labelled``: "" for a label, unless the CSV has a column of
+    labels."""
     first = next((line for line in text.splitlines() if line.strip()), "")
     if first.lower().startswith("sep=") and len(first.strip()) == 5:  # Excel's line naming the delimiter
         delimiter, text = first.strip()[4], text.replace(first, "", 1)
@@ -237,6 +268,7 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                 )
                 if path_at < 0:
                     _no_column(header, PATH_COLUMNS, "--path-column", "image paths", where, labelled)
+                split_at = _column(header, options.split_column, SPLIT_COLUMNS, "--split-column", "", where, False)
                 continue
             if len(cells) != len(header):
                 raise UserError(
@@ -244,13 +276,16 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                     f"{len(header)} ({', '.join(header)}); quote a value that holds a {delimiter!r}, and end "
                     f"no row with one."
                 )
-            rows.append((reader.line_num, cells[path_at].strip(), cells[label_at].strip() if label_at >= 0 else ""))
+            label = cells[label_at].strip() if label_at >= 0 else ""
+            rows.append(
+                (reader.line_num, cells[path_at].strip(), label, cells[split_at].strip() if split_at >= 0 else "")
+            )
     except csv.Error as e:
         raise UserError(f"{where}: line {reader.line_num} cannot be read as CSV ({e}).") from None
     if header is None:
         example = "path,label" if labelled else "path"
         raise UserError(f"{where} is empty; it needs a header row (e.g. {example}) and a row per image.")
-    return rows
+    return rows, split_at >= 0
 
 
 def _column(

@@ -25,6 +25,7 @@ from hvd_train.data import records as records_module
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
 from hvd_train.data.sources import Data, checked, open_data
+from hvd_train.data.table import is_table, read_table_pair
 from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.distributed.groups import shard_range
@@ -390,9 +391,15 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
     records = dataclasses.replace(records, split=cfg.data_split)
 
     def listing():
-        table = cfg.table_options()
-        train = open_data(cfg.train, "--data", s3, table=table, records=records)
+        table = dataclasses.replace(cfg.table_options(), split=cfg.data_split)
+        if is_table(cfg.train) and not cfg.val:  # a CSV with a column of splits holds its held-out rows out
+            train, held = read_table_pair(cfg.train, "--data", s3, table, cfg.val_data_split)
+            if held is not None:
+                return train, held
+        else:
+            train = open_data(cfg.train, "--data", s3, table=table, records=records)
         if cfg.val:
+            table = dataclasses.replace(table, split=cfg.val_data_split)
             return train, open_data(cfg.val, "--val-data", s3, classes=train.classes, table=table, records=val_records)
         if cfg.val_split > 0:
             if isinstance(train, ShardSet):
@@ -406,8 +413,8 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
             records_module.prepare(url, flag, s3, options, ctx, held_out=flag == "--val-data")
     train, val = ctx.on_root(listing, name="list_data")
     records_module.refuse_unused(records, train, val)
-    records_module.refuse_split(cfg.data_split, "--data-split", train)
-    records_module.refuse_split(cfg.val_data_split, "--val-data-split", val)
+    records_module.refuse_split(cfg.data_split, "--data-split", train, cfg.train)
+    records_module.refuse_split(cfg.val_data_split, "--val-data-split", val, cfg.val or cfg.train)
     if isinstance(train, ImageSet):
         held = train.nbytes() + (val.nbytes() if isinstance(val, ImageSet) else 0)
         log.info(
