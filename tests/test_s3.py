@@ -1,6 +1,7 @@
 """S3 as a data source, against real S3-compatible servers on 127.0.0.1: moto, and rclone's serve s3."""
 
 import json
+import shutil
 import unicodedata
 
 import numpy as np
@@ -164,6 +165,15 @@ def test_other_tools_records_in_s3_read_as_the_same_local_files_and_keep_their_i
     assert len(kept) == 1 and f"the index is s3://{bucket}/{kept[0]}" in caplog.text
     caplog.clear()
     assert records.load(url, "--data", OPTIONS, options) == remote and "from the index s3://" in caplog.text
+    # A TFDS folder in the bucket: the split its description names, as the same folder on disk.
+    from test_records import TFDS_PETS
+
+    for path in TFDS_PETS.iterdir():
+        client.put_object(Bucket=bucket, Key=f"pets/1.0.0/{path.name}", Body=path.read_bytes())
+    tfds = records.load(f"s3://{bucket}/pets/1.0.0", "--val-data", OPTIONS, classes=["cat", "dog", "owl"])
+    shutil.copytree(TFDS_PETS, tmp_path / "pets")
+    assert pairs(tfds) == pairs(records.load(str(tmp_path / "pets"), "--val-data", OPTIONS, classes=tfds.classes))
+    assert tfds.features.kind == "tfds" and len(tfds) == 6
     one = records.load(f"{url}{names[1]}", "--val-data", OPTIONS, options, remote.classes)  # a file named alone
     first = remote.shards[0].images
     assert [s.file for s in one.shards] == [names[1]] and pairs(one) == pairs(remote)[first : first + len(one)]
