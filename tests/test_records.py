@@ -178,7 +178,9 @@ def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree
         str(zero),
         label_offset=1,
     )
-    refused(r"matches no TFRecord file; give a folder of \*.tfrecord files, or a pattern", f"{out}/valid-*")
+    refused(
+        r"matches no TFRecord file; give a folder of \*.tfrecord files \(in S3 with a trailing /\)", f"{out}/valid-*"
+    )
     # A corrupt byte, a file cut short, a file of something else: each named with its record.
     data = (out / names[1]).read_bytes()
     (out / names[1]).write_bytes(data[:40] + bytes([data[40] ^ 1]) + data[41:])
@@ -208,7 +210,7 @@ def test_what_is_no_set_of_records_is_refused_in_one_line_naming_it(pack_of_tree
     os.unlink(out / held[0])
     caplog.set_level(logging.WARNING, logger="hvd_train")
     records.load(f"{out}/validation-*", "--val-data", S3Options(), RecordOptions(label_offset=1), ["0", "1", "2"])
-    assert f"has {len(held) - 1} of the {len(held)} files of validation-*-of-{len(held):05d}" in caplog.text
+    assert f"has {len(held) - 1} of the {len(held)} files of validation-*: the others" in caplog.text
     refused(r"holds the files of 2 sets \(train-\*, validation-\*\): .* Give one with a pattern, e.g. '.*/train-\*'")
 
 
@@ -232,6 +234,39 @@ def test_records_no_image_decodes_from_or_whose_labels_are_no_text_or_of_two_kin
     )
     refused(r"record 1 of .*: its label b'\\xff\\xfe' is not UTF-8 text", **{"image/class/label": b"\xff\xfe"})
     refused(r"record 1 of .* has a str label and record 0 a int one", **{"image/class/label": "cat"})
+    refused(r"2 record\(s\) of --data .* hold no image that decodes", **{"image/encoded": b"GIF89a" + b"\0" * 40})
+
+
+def test_an_index_entry_that_is_not_whole_is_read_again_and_files_of_two_sets_are_told_apart(pack_of_tree, tmp_path):
+    out = tmp_path / "garden"
+    names = rewrite(pack_of_tree, out, offset=1)
+    first = records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1))
+    index = next(out.glob(".hvd_train-index-*"))
+    kept = json.loads(index.read_text())
+    for broken in ({"bad": [[1]]}, {"texts": {"image/class/synset": {"1": "cat"}}}, {"offsets": [0, 0]}):
+        index.write_text(json.dumps({**kept, "files": [{**kept["files"][0], **broken}, *kept["files"][1:]]}))
+        assert records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1)) == first
+    # Numbered files of two sets with a suffix; files of two sets without numbers.
+    for name in names:
+        os.rename(out / name, out / f"{name}.tfrecord")
+    rewrite(pack_of_tree, out, stem="validation", offset=1)
+    with pytest.raises(UserError, match=r"2 sets \(train-\*.tfrecord, validation-\*\).* e.g. '.*/train-\*.tfrecord'"):
+        records.load(str(out), "--data", S3Options(), RecordOptions(label_offset=1))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name, target in ((names[0], "train.tfrecord"), ("validation-00000-of-00003", "val.tfrecord")):
+        shutil.copy(out / (f"{name}.tfrecord" if name in names else name), plain / target)
+    with pytest.raises(UserError, match=r"holds the files of 2 sets \(train\*, val\*\)"):
+        records.load(str(plain), "--data", S3Options(), RecordOptions(label_offset=1))
+    # Held out: a few of many numbered classes.
+    few = records.load(
+        str(plain / "val.tfrecord"),
+        "--val-data",
+        S3Options(),
+        RecordOptions(label_offset=1),
+        [str(i) for i in range(6000)],
+    )
+    assert len(few) > 0
 
 
 def test_a_folder_that_cannot_keep_the_index_keeps_it_in_the_cache_folder(pack_of_tree, tmp_path, monkeypatch, caplog):
@@ -428,6 +463,7 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
     rewrite(packs / "train", fresh, offset=1)
     rewrite(packs / "val", fresh, stem="validation", offset=1)
     evaluate = [*HVD_TRAIN, "evaluate", "--model-dir", runs["garden"], "--data"]
+    names.unlink()  # the run's --class-names file is gone: its classes name the labels all the same
     launched, folder = run_at_once(
         [
             *launcher_command("horovodrun-gloo", 2),

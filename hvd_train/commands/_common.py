@@ -109,7 +109,8 @@ RECORD_OWN = ("image_key", "label_key", "label_offset", "class_names")  # their 
 
 
 def add_record_arguments(parser: argparse.ArgumentParser) -> None:
-    """DataConfig's options of other tools' TFRecords, with the flags and help ``train`` has."""
+    """DataConfig's options of other tools' TFRecords, with the flags and help ``train`` has; None when not given
+    (``record_options`` then takes the run's)."""
     import dataclasses
 
     from hvd_train.config import DataConfig
@@ -117,12 +118,20 @@ def add_record_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(DataConfig):
         if f.name in RECORD_FIELDS:
             kind = natural_int if isinstance(f.default, int) else str
-            parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
+            parser.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=None, help=f.metadata["help"])
 
 
-def record_options(args: argparse.Namespace):
-    """The ``data.features.RecordOptions`` of the options ``add_record_arguments`` gave."""
+def record_options(args: argparse.Namespace, run: dict | None = None, classes: list[str] | None = None):
+    """The ``data.features.RecordOptions`` of the options ``add_record_arguments`` gave, each one not given taken
+    from ``run`` (a run's ``data`` options), else its default. The run's ``--class-names`` are its ``classes``
+    (the file it named may be elsewhere now)."""
     from hvd_train.data.features import RecordOptions
 
-    default = RecordOptions()
-    return RecordOptions(*(getattr(args, name, getattr(default, f)) for name, f in zip(RECORD_FIELDS, RECORD_OWN)))
+    run = run or {}
+    values = {}
+    for name, own in zip(RECORD_FIELDS, RECORD_OWN):
+        given = getattr(args, name, None)
+        values[own] = given if given is not None else run.get(name, getattr(RecordOptions(), own))
+    if getattr(args, "class_names", None) is None and values["class_names"] and classes:
+        values["class_names"], values["class_list"] = "", tuple(classes)
+    return RecordOptions(**values)

@@ -9,6 +9,7 @@ from hvd_train import files
 from hvd_train.commands._common import (
     CSV_LABELS,
     CSV_PATHS,
+    RECORD_FIELDS,
     add_csv_arguments,
     add_record_arguments,
     add_trained_model_arguments,
@@ -76,10 +77,9 @@ def run(args: argparse.Namespace) -> int:
             "shard its head: evaluate it with fewer processes.",
             agreed=True,
         )
-    records = dataclasses.replace(record_options(args), split=args.data_split)
-    given = bool(records.given())
-    if not given:  # other tools' records are read as the run read its own: the same labels, the same names
-        records = dataclasses.replace(record_options(argparse.Namespace(**trained.data)), split=args.data_split)
+    # Other tools' records are read as the run read its own (the same labels, the same names), but for what is given.
+    records = dataclasses.replace(record_options(args, trained.data, trained.classes), split=args.data_split)
+    given = any(getattr(args, name) is not None for name in RECORD_FIELDS)
     images = evaluation_set(
         args.data, trained.classes, "--data", args.on_bad_image, ctx, s3=s3, table=table, records=records
     )

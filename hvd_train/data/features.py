@@ -70,6 +70,7 @@ class RecordOptions:
     label_offset: int = 0
     class_names: str = ""
     split: str = ""  # a TFDS folder's split: "" for train (training data) or validation, else test (held out)
+    class_list: tuple[str, ...] = ()  # the class names themselves, instead of a file of them (not a flag)
 
     FLAGS = (
         ("--record-image-key", "image_key"),

@@ -309,8 +309,8 @@ def reason_for(contents) -> str:
         return "empty file (0 bytes)"
     try:
         image = decode(contents)
-    except tf.errors.OpError as e:
-        return first_line(e.message) or "unreadable"
+    except Exception as e:  # TensorFlow's errors, and Pillow's own for a GIF
+        return first_line(getattr(e, "message", "") or str(e)) or "unreadable"
     if 0 in image.shape[:2]:
         return "image has no pixels"
     return "unreadable"

@@ -17,14 +17,15 @@ from hvd_train.data import record_index, storage
 from hvd_train.errors import UserError
 
 
-def own_classes(entries: list[dict], found, s3, where: str, held_out: bool) -> tuple[list[str], Callable]:
+def own_classes(entries: list[dict], found, s3, where: str, trained: int = 0) -> tuple[list[str], Callable]:
     """The set's own classes in label order, and ``labels_of(entry)``: an entry's labels as indices into them.
 
     Args:
         entries: the index entries of the set's files.
         found: the set's ``records.Source``.
         where: ``"<flag> <url>"``, for messages.
-        held_out: the set is held-out data (it need not have every class).
+        trained: for held-out data (which need not have every class), the number of training classes; 0 for
+            training data.
     """
     options = found.options
     kinds = {type(e["labels"][0]) for e in entries}
@@ -34,7 +35,9 @@ def own_classes(entries: list[dict], found, s3, where: str, held_out: bool) -> t
             f"files of one kind."
         )
     names = list(found.split.classes) if found.split is not None else None
-    if options.class_names:
+    if options.class_list:
+        names = list(options.class_list)
+    elif options.class_names:
         names = names_file(options.class_names, s3)
     if kinds == {str}:
         present = sorted({label for e in entries for label in e["labels"]})
@@ -69,13 +72,18 @@ def own_classes(entries: list[dict], found, s3, where: str, held_out: bool) -> t
             )
         return names, lambda e: [label - offset for label in e["labels"]]
     gap = next((i for i, label in enumerate(present) if label != i), None)
-    if gap is not None and (not held_out or high >= 4 * len(present) + 1024):
+    if gap is not None and not trained:
         first = present[0] + offset
-        fix = f"if they count from {first}, pass --label-offset {first}" if gap == 0 else "give --class-names"
+        fix = f"if they count from {first}, pass --label-offset {first}" if gap == 0 else "write labels without gaps"
         raise UserError(
             f"{where} has no record of label {gap + offset} and has one of {present[gap] + offset} ({len(present)} "
             f"labels of {offset} to {high + offset} have records); integer labels name classes from "
             f"--label-offset ({offset}) on, each with records: {fix}, or give string labels."
+        )
+    if trained and high >= trained + 1024:  # numbered classes beyond the model's: too many to list, none to map
+        raise UserError(
+            f"{where} has the label {high + offset}, and the model has {trained} classes; check --label-offset "
+            f"and --class-names."
         )
     own = _text_names(entries, offset, high + 1, present) or [str(i) for i in range(high + 1)]
     return own, lambda e: [label - offset for label in e["labels"]]

@@ -91,8 +91,12 @@ def _sound(e) -> bool:
             isinstance(e["file"], str)
             and isinstance(e["stamp"], str)
             and isinstance(e["bytes"], int)
-            and isinstance(e["texts"], dict)
-            and isinstance(e.get("bad", []), list)
+            and all(
+                isinstance(by, dict)
+                and all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in by.values())
+                for by in e["texts"].values()
+            )
+            and all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], int) for b in e.get("bad", []))
             and len(offsets) == len(labels) > 0
             and all(isinstance(o, int) for o in offsets)
             and offsets[0] == 0
@@ -100,7 +104,7 @@ def _sound(e) -> bool:
             and offsets[-1] < e["bytes"]
             and (kinds == {int} or kinds == {str})
         )
-    except (KeyError, TypeError, IndexError):
+    except (KeyError, TypeError, IndexError, AttributeError):
         return False
 
 
@@ -185,6 +189,8 @@ class _Window:
         """Bytes ``[pos, pos + count)``, fewer where the file ends; ``pos`` never goes back."""
         end = min(pos + count, self.size)
         held = self.start + len(self.data)
+        if pos > held:  # not how a scan reads; start afresh there
+            self.data, self.start, held = b"", pos, pos
         if end > held:
             more = self.store.read(self.name, held, min(self.size, max(end, held + WINDOW)))
             self.data, self.start = self.data[pos - self.start :] + more, pos
@@ -277,12 +283,12 @@ def _problem(image: bytes) -> str | None:
     folder's quick check passes a file (``checks``); any other is decoded."""
     tail = image[-16:].rstrip(b"\0\r\n ")
     for start, end in FORMATS:
-        if image.startswith(start) and tail.endswith(end):
+        if len(image) >= 16 and image.startswith(start) and tail.endswith(end):
             return None
     if not image:
         return "empty image (0 bytes)"
     try:
         decoded = decode(tf.constant(image))
-    except tf.errors.OpError as e:
-        return first_line(e.message) or "unreadable"
+    except Exception as e:  # TensorFlow's errors, and Pillow's own for a GIF
+        return first_line(getattr(e, "message", "") or str(e)) or "unreadable"
     return None if 0 not in decoded.shape[:2] else "image has no pixels"

@@ -60,13 +60,13 @@ def split_url(url: str) -> tuple[str, str]:
     head, _, last = url.rstrip("/").rpartition("/")
     if url.endswith("/") or not last:
         return url, ""
+    named = _PATTERN.search(last) or RECORD_NAME.search(last) or COMPRESSED.search(last)
     if storage.is_s3(url):
-        whole = RECORD_NAME.search(last) and not _PATTERN.search(last)
-        return (head, last) if (whole or _PATTERN.search(last)) else (url, "")
+        return (head, last) if named else (url, "")
     if os.path.isdir(url):
         return url, ""
-    if _PATTERN.search(last) or RECORD_NAME.search(last) or COMPRESSED.search(last):
-        return head or ".", last
+    if named:
+        return head or ("/" if url.startswith("/") else "."), last
     return url, ""
 
 
@@ -161,38 +161,38 @@ def source(
         )
     if not files:
         raise UserError(
-            f"{where} matches no TFRecord file; give a folder of *.tfrecord files, or a pattern such as 'DIR/train-*'."
+            f"{where} matches no TFRecord file; give a folder of *.tfrecord files (in S3 with a trailing /), or a "
+            f"pattern such as 'DIR/train-*'."
         )
-    _check_families([f[0] for f in files], bool(pattern), where, warn)
+    _check_families([f[0] for f in files], pattern, where, warn)
     return Source(store, tuple(files), options, pattern)
 
 
-def _check_families(names: list[str], chosen: bool, where: str, warn: bool) -> None:
-    """Files named ``<stem>-<i>-of-<n>``: more than one stem in a folder given whole (``train-*`` and
-    ``validation-*``) is refused, a stem with fewer than ``n`` files warned of."""
+def _check_families(names: list[str], pattern: str, where: str, warn: bool) -> None:
+    """A folder given whole (no ``pattern``) that holds training and held-out files is refused: numbered sets
+    (``<prefix>-<i>-of-<n><suffix>``) of two prefixes, or names that start with ``train`` and with ``val``,
+    ``test``, ``eval`` or ``dev``. A numbered set with fewer than ``n`` files is warned of, unless one file was
+    named."""
     families: dict[str, tuple[int, set[int]]] = {}
     for name in names:
-        found = _NUMBERED.search(name)
+        found = list(_NUMBERED.finditer(name))
         if found:
-            stem = name[: found.start()] + name[found.end() :]
-            families.setdefault(stem, (int(found.group(2)), set()))[1].add(int(found.group(1)))
-    if len(families) > 1 and not chosen:
-        stems = sorted(families)
+            last = found[-1]
+            glob = f"{name[: last.start()]}-*{name[last.end() :]}"
+            families.setdefault(glob, (int(last.group(2)), set()))[1].add(int(last.group(1)))
+    held = [n for n in names if n.lower().startswith(("val", "test", "eval", "dev"))]
+    trained = [n for n in names if n.lower().startswith("train")]
+    if not pattern and (len(families) > 1 or (held and trained)):
+        sets = sorted(families) if len(families) > 1 else [f"{trained[0][:5]}*", f"{held[0][:3]}*"]
+        folder = where.split(" ", 1)[1].rstrip("/")
         raise UserError(
-            f"{where} holds the files of {len(stems)} sets ({', '.join(f'{s}-*' for s in stems[:4])}): training "
-            f"and held-out records, mostly. Give one with a pattern, e.g. '{where.split(' ', 1)[1].rstrip('/')}/"
-            f"{stems[0]}-*'."
+            f"{where} holds the files of {len(sets)} sets ({', '.join(sets[:4])}): training and held-out records, "
+            f"mostly. Give one with a pattern, e.g. '{folder}/{sets[0]}'."
         )
-    for stem, (count, present) in sorted(families.items()):
-        if len(present) < count and warn:
-            log.warning(
-                "%s has %d of the %d files of %s-*-of-%05d: the others are not read",
-                where,
-                len(present),
-                count,
-                stem,
-                count,
-            )
+    one_file = pattern and not _PATTERN.search(pattern)
+    for glob, (count, present) in sorted(families.items()):
+        if len(present) < count and warn and not one_file:
+            log.warning("%s has %d of the %d files of %s: the others are not read", where, len(present), count, glob)
 
 
 def _listed(store: storage.Store, flag: str) -> list[tuple[str, int, str]]:
@@ -237,7 +237,7 @@ def prepare(
     )
     scanned = [entry for part in ctx.allgather_object(mine, name=f"records_scanned{flag}") for entry in part]
     ctx.on_root(
-        lambda: record_index.build(source(url, flag, s3, options, held_out), s3, flag, scanned),
+        lambda: record_index.build(source(url, flag, s3, options, held_out), s3, flag, scanned) and None,
         name=f"records_save{flag}",
     )
 
@@ -313,7 +313,7 @@ def load(
             f"{found.store.full(name)}: {why}); a record cannot be passed over inside its file: write the files "
             f"again without them."
         )
-    own, labels_of = record_classes.own_classes(entries, found, s3, where, held_out=classes is not None)
+    own, labels_of = record_classes.own_classes(entries, found, s3, where, len(classes) if classes else 0)
     counts_own = [0] * len(own)
     for e in entries:
         for label in labels_of(e):

@@ -240,9 +240,9 @@ class S3Store(Store):
         }
 
     def files_here(self, flag: str) -> list[tuple[str, int, str]]:
-        """The objects directly below the prefix (a listing of one level): ``(name, size, ETag)``."""
+        """The objects directly below the prefix (a listing of one level): ``(name, size, "size:ETag")``."""
         return [
-            (o["Key"][len(self.prefix) :], int(o["Size"]), o.get("ETag", "").strip('"'))
+            (o["Key"][len(self.prefix) :], int(o["Size"]), f"{o['Size']}:{o.get('ETag', '').strip(chr(34))}")
             for page in self._pages(self.prefix, flag, Delimiter="/")
             for o in page.get("Contents", [])
             if o["Key"] != self.prefix

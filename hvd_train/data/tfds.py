@@ -57,7 +57,7 @@ def split_of(store: storage.Store, split: str, held_out: bool, flag: str, split_
     where = f"{flag} {storage.redact_url(store.url)}"
     try:
         return _split_of(store, split, held_out, where, split_flag)
-    except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError) as e:
+    except (ValueError, TypeError, AttributeError, KeyError, UnicodeDecodeError, OverflowError, RecursionError) as e:
         raise UserError(
             f"{where}: its {INFO} or {FEATURES} is not as TFDS writes it ({type(e).__name__}: {e}); prepare the "
             f"dataset again."
