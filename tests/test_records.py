@@ -322,8 +322,12 @@ def test_trains_flags_reach_the_records_and_are_refused_where_no_records_are(pac
     pets = shutil.copytree(TFDS_PETS, tmp_path / "pets")
     train, val = sets("--data", pets, "--val-data", pets, "--data-split", "validation", "--val-data-split", "train")
     assert (len(train), len(val)) == (6, 12) and train.classes == val.classes == ["cat", "dog", "owl"]
+    train, val = sets("--data", pets)  # alone: its validation split held out
+    assert (len(train), len(val)) == (12, 6) and val.features.kind == "tfds"
+    info = json.loads((pets / "dataset_info.json").read_text())
+    (pets / "dataset_info.json").write_text(json.dumps({**info, "splits": info["splits"][:1]}))
     with pytest.raises(UserError, match=r"is a split of a TFDS folder, which --val-split cannot divide; pass the "):
-        sets("--data", pets)
+        sets("--data", pets)  # a folder of a train split alone
     with pytest.raises(
         UserError, match=r"--val-data-split test tells which split of a TFDS folder or rows of a CSV are read, and its"
     ):

@@ -224,6 +224,9 @@ def prepare(
     def plan():
         if not is_records(url, s3):
             return None
+        folder, pattern = split_url(url)
+        if held_out and not pattern and tfds.is_tfds(storage.open_store(folder, s3)) and not tfds_held_out(url, s3):
+            return None  # a TFDS folder without a held-out split
         found = source(url, flag, s3, options, held_out)
         return found.store.url, found.options, record_index.missing(found)
 
@@ -240,6 +243,12 @@ def prepare(
         lambda: record_index.build(source(url, flag, s3, options, held_out), s3, flag, scanned) and None,
         name=f"records_save{flag}",
     )
+
+
+def tfds_held_out(url: str, s3: storage.S3Options | None, split: str = "") -> str:
+    """The split a TFDS folder holds out: ``split`` when given, else the first of ``tfds.HELD_OUT`` it has
+    ("": none)."""
+    return split or tfds.held_out_name(storage.open_store(url, s3))
 
 
 def refuse_unused(options: RecordOptions, *data) -> None:

@@ -10,6 +10,8 @@ agree.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from hvd_train.data import packed, storage
@@ -18,11 +20,11 @@ from hvd_train.data.features import RecordOptions
 from hvd_train.data.folder import ImageSet, list_folder
 from hvd_train.data.images import find_bad_images, report_bad_images
 from hvd_train.data.packed import ShardSet
-from hvd_train.data.records import is_records
+from hvd_train.data.records import is_records, tfds_held_out
 from hvd_train.data.records import load as load_records
 from hvd_train.data.records import prepare as prepare_records
 from hvd_train.data.storage import S3Options
-from hvd_train.data.table import TableOptions, is_table, read_table
+from hvd_train.data.table import TableOptions, is_table, read_table, read_table_pair
 from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
@@ -50,6 +52,25 @@ def open_data(
     if packed.is_shard_set(url, s3):
         return packed.load(url, flag, s3, classes)
     return list_folder(url, flag, classes=classes, s3=s3)
+
+
+def own_held_out(
+    url: str, s3: S3Options, table: TableOptions, records: RecordOptions, split: str = ""
+) -> tuple[Data, Data | None]:
+    """``--data`` given alone: its images, and the held-out images it names itself, if any: a CSV's rows of a
+    held-out split (its column of splits), a TFDS folder's held-out split (``split``, else validation, else
+    test). None for data that names none."""
+    if is_table(url):
+        return read_table_pair(url, "--data", s3, table, split)
+    train = open_data(url, "--data", s3, table=table, records=records)
+    if not (isinstance(train, ShardSet) and train.features.kind == "tfds"):
+        return train, None
+    held = tfds_held_out(url, s3, split)
+    if not held:
+        return train, None
+    log.info("--data %s: training on its split %r, holding out its split %r", url, records.split or "train", held)
+    options = dataclasses.replace(records, split=held)
+    return train, load_records(url, "--data", s3, options, train.classes)
 
 
 def evaluation_set(

@@ -46,6 +46,16 @@ def is_tfds(store: storage.Store) -> bool:
     return store.exists(INFO)
 
 
+def held_out_name(store: storage.Store) -> str:
+    """The first of ``HELD_OUT`` that the TFDS folder ``store`` has as a split ("": none, or no readable
+    description: reading the training split says why)."""
+    try:
+        names = {s.get("name") for s in json.loads(store.read(INFO)).get("splits", []) if isinstance(s, dict)}
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError, UserError):
+        return ""
+    return next((s for s in HELD_OUT if s in names), "")
+
+
 def split_of(store: storage.Store, split: str, held_out: bool, flag: str, split_flag: str) -> Split:
     """The split ``split`` of the TFDS folder ``store`` (``""``: ``train``, or held out ``validation``/``test``).
 

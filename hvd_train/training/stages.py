@@ -24,8 +24,7 @@ from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data import records as records_module
 from hvd_train.data.folder import ImageSet, split_per_class
 from hvd_train.data.packed import ShardSet
-from hvd_train.data.sources import Data, checked, open_data
-from hvd_train.data.table import is_table, read_table_pair
+from hvd_train.data.sources import Data, checked, open_data, own_held_out
 from hvd_train.distributed import gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.distributed.groups import shard_range
@@ -392,13 +391,12 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
 
     def listing():
         table = dataclasses.replace(cfg.table_options(), split=cfg.data_split)
-        if is_table(cfg.train) and not cfg.val:  # a CSV with a column of splits holds its held-out rows out
-            train, held = read_table_pair(cfg.train, "--data", s3, table, cfg.val_data_split)
+        if not cfg.val:  # a CSV's held-out rows or a TFDS folder's held-out split, if it has them
+            train, held = own_held_out(cfg.train, s3, table, records, cfg.val_data_split)
             if held is not None:
                 return train, held
         else:
             train = open_data(cfg.train, "--data", s3, table=table, records=records)
-        if cfg.val:
             table = dataclasses.replace(table, split=cfg.val_data_split)
             return train, open_data(cfg.val, "--val-data", s3, classes=train.classes, table=table, records=val_records)
         if cfg.val_split > 0:
@@ -408,9 +406,12 @@ def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) ->
         return train, None
 
     started = time.perf_counter()
-    for url, flag, options in ((cfg.train, "--data", records), (cfg.val, "--val-data", val_records)):
-        if url:  # other tools' TFRecords: their index made by all ranks, when it is missing
-            records_module.prepare(url, flag, s3, options, ctx, held_out=flag == "--val-data")
+    # Other tools' TFRecords: their index made by all ranks, when it is missing (of a TFDS folder's held-out split too).
+    for url, flag, options, held_out in (
+        (cfg.train, "--data", records, False),
+        (cfg.val, "--val-data", val_records, True),
+    ):
+        records_module.prepare(url or cfg.train, flag if url else "--data", s3, options, ctx, held_out)
     train, val = ctx.on_root(listing, name="list_data")
     records_module.refuse_unused(records, train, val)
     records_module.refuse_split(cfg.data_split, "--data-split", train, cfg.train)
