@@ -364,3 +364,59 @@ def test_a_split_column_trains_on_its_train_rows_and_holds_out_its_validation_ro
     leak = table(tree / "leak.csv", ["path,label,split", *marked, f"{marked[0].rsplit(',', 1)[0]},test"])
     with pytest.raises(UserError, match=r"is on line 2 in split 'train' and on line .* in split 'test'; an image held"):
         read_table(leak, "--data")
+
+
+def test_a_multi_label_csv_is_read_as_sets_of_classes_from_one_cell_or_a_column_per_class(tmp_path):
+    """Labels split from one cell (by spaces or a separator), or 0/1 columns, give the same sets; held out by each
+    image's rarest class; the digest tells them from a single-label list; bad cells are refused by line."""
+    from hvd_train.data.folder import split_per_class
+
+    tree = write_images(tmp_path / "images", {"x": 12}, size=8)
+    names = sorted(p.name for p in (tree / "x").iterdir())
+    tags = [("cat", "dog"), ("dog",), (), ("owl", "cat"), ("cat",), ("dog", "owl"), ("cat", "dog", "owl")] * 2
+    tags = tags[: len(names)]
+    multi = TableOptions(multi_label=True)
+    rows = [f"x/{n},{' '.join(t)}" for n, t in zip(names, tags)]
+    spaced = table(tree / "spaced.csv", ["path,labels", *reversed(rows)])  # the set follows its path's order
+    piped = table(tree / "piped.csv", ["file,tags", *(f"x/{n},{'|'.join(t)}" for n, t in zip(names, tags))])
+    columns = table(
+        tree / "columns.csv",
+        [
+            "image,owl,cat,dog",
+            *(f"x/{n},{int('owl' in t)},{int('cat' in t)},{float('dog' in t)}" for n, t in zip(names, tags)),
+        ],
+    )
+    read = read_table(spaced, "--data", options=multi)
+    assert read.classes == ["cat", "dog", "owl"]
+    assert [sorted(read.classes[i] for i in read.label_sets.row(k)) for k in range(len(read))] == [
+        sorted(t) for t in tags
+    ]
+    assert read.counts() == [sum(c in t for t in tags) for c in read.classes]
+    lowest = [min((read.classes.index(c) for c in t), default=-1) for t in tags]
+    assert read.labels.tolist() == lowest  # each set's lowest class, -1 for an image with none
+    assert read_table(piped, "--data", options=TableOptions(multi_label=True, label_separator="|")) == read
+    assert read_table(columns, "--data", options=multi) == read
+    single = read_table(
+        table(tree / "one.csv", ["path,label", *(f"x/{n},{t[0] if t else 'none'}" for n, t in zip(names, tags))]),
+        "--data",
+    )
+    assert read.digest != single.digest and read.label_sets is not None and single.label_sets is None
+    # One more label on an image, its lowest the same: another set, another digest.
+    more = table(tree / "more.csv", ["path,labels", *rows[1:], rows[0] + " owl"])
+    assert read_table(more, "--data", options=multi).digest != read.digest
+    gone = read.without([(read.paths[0], "unreadable")])
+    assert gone.label_sets == read.label_sets.take(range(1, len(read))) and gone.counts() != read.counts()
+    train, held = split_per_class(read, 0.25, seed=1)
+    assert len(train) + len(held) == len(read) and 0 < len(held) < len(read)
+    assert set(train.paths).isdisjoint(held.paths)
+    assert held.counts() == [sum(c in tags[names.index(p.rsplit("/", 1)[1])] for p in held.paths) for c in held.classes]
+    # Held out: labels among the training classes; a bad cell of a class column; a label on too few images.
+    assert read_table(spaced, "--val-data", options=multi, classes=["owl", "dog", "cat", "yak"]).counts()[3] == 0
+    with pytest.raises(UserError, match=r"line \d+ has label 'cat', which is not a training class"):
+        read_table(spaced, "--val-data", options=multi, classes=["dog", "owl"])
+    bad = table(tree / "bad.csv", ["image,cat,dog", f"x/{names[0]},1,yes"])
+    with pytest.raises(UserError, match=r"line 2 has 'yes' in the column 'dog', where a class's column holds 0 or 1"):
+        read_table(bad, "--data", options=multi)
+    few = table(tree / "few.csv", ["path,labels", f"x/{names[0]},cat rare", f"x/{names[1]},cat"])
+    with pytest.raises(UserError, match=r"1 label\(s\) are on fewer than 2 images: 'rare' on 1 \(line 2\)"):
+        read_table(few, "--data", options=multi)

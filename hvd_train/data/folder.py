@@ -26,6 +26,7 @@ from typing import overload
 import numpy as np
 
 from hvd_train.data import storage
+from hvd_train.data.label_sets import LabelSets, split_keys
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 
@@ -137,6 +138,8 @@ class ImageSet:
             ("" for lists that were not made by listing a root).
         skipped: ``(path, reason)`` of images left out because they cannot
             be decoded (``without``).
+        label_sets: a multi-label set's labels, each image's set of classes
+            (``labels`` then holds each set's lowest class, -1 for none).
     """
 
     paths: PathList
@@ -145,9 +148,12 @@ class ImageSet:
     ignored: list[str] = field(default_factory=list)
     prefix: str = ""
     skipped: tuple[tuple[str, str], ...] = ()
+    label_sets: LabelSets | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "paths", as_paths(self.paths, self.prefix))
+        if self.label_sets is not None:
+            object.__setattr__(self, "labels", self.label_sets.first())
         object.__setattr__(self, "labels", np.asarray(self.labels, dtype=np.int32).reshape(-1))
         if self.labels.size != len(self.paths):
             raise ValueError(f"{len(self.paths)} paths but {self.labels.size} labels")
@@ -161,21 +167,32 @@ class ImageSet:
         return (
             self.paths == other.paths
             and np.array_equal(self.labels, other.labels)
-            and (self.classes, self.ignored, self.prefix, self.skipped)
-            == (other.classes, other.ignored, other.prefix, other.skipped)
+            and (self.classes, self.ignored, self.prefix, self.skipped, self.label_sets)
+            == (other.classes, other.ignored, other.prefix, other.skipped, other.label_sets)
         )
 
     def nbytes(self) -> int:
         """Bytes the paths and labels take in memory."""
-        return self.paths.nbytes() + self.labels.nbytes
+        return self.paths.nbytes() + self.labels.nbytes + (self.label_sets.nbytes if self.label_sets else 0)
 
     def counts(self) -> list[int]:
-        """Images per class, in class order."""
+        """Images per class (labelled with it, in a multi-label set), in class order."""
+        if self.label_sets is not None:
+            return self.label_sets.counts(len(self.classes))
         return np.bincount(self.labels.astype(np.int64), minlength=len(self.classes)).tolist()
+
+    def _sets(self, indices) -> LabelSets | None:
+        return self.label_sets.take(indices) if self.label_sets is not None else None
 
     def subset(self, indices) -> ImageSet:
         indices = np.asarray(indices, dtype=np.int64)
-        return ImageSet(self.paths.take(indices), self.labels[indices], self.classes, prefix=self.prefix)
+        return ImageSet(
+            self.paths.take(indices),
+            self.labels[indices],
+            self.classes,
+            prefix=self.prefix,
+            label_sets=self._sets(indices),
+        )
 
     def without(self, bad: list[tuple[str, str]]) -> ImageSet:
         """These images without ``bad`` (``(path, reason)`` pairs), which are kept as ``skipped``."""
@@ -188,6 +205,7 @@ class ImageSet:
             self.ignored,
             self.prefix,
             self.skipped + tuple(bad),
+            self._sets(keep),
         )
 
     def relative(self, i: int) -> str:
@@ -203,7 +221,10 @@ class ImageSet:
         """
         h = hashlib.sha256()
         h.update("\0".join(self.classes).encode() + b"\n")
-        for label, rel in zip(self.labels.tolist(), self.paths.relatives()):
+        labels = self.labels.tolist()
+        if self.label_sets is not None:  # "m" and each set: never a single-label list's digest
+            labels = ["m" + " ".join(map(str, row)) for row in self.label_sets.rows()]
+        for label, rel in zip(labels, self.paths.relatives()):
             # ASCII is its own NFC.
             h.update(storage.os_bytes(f"{label}\t{rel if rel.isascii() else storage.nfc(rel)}\n"))
         return h.hexdigest()[:16]
@@ -385,7 +406,8 @@ def _walk(prefix: str, folder: str) -> tuple[list[str], list[str]]:
 
 
 def split_per_class(images: ImageSet, fraction: float, seed: int) -> tuple[ImageSet, ImageSet]:
-    """Holds out ``fraction`` of each class (MATLAB's splitEachLabel).
+    """Holds out ``fraction`` of each class (MATLAB's splitEachLabel); of a multi-label set, of the images keyed by
+    their rarest class (``label_sets.split_keys``).
 
     The split depends only on the file list and ``seed``, so every rank and
     every resumed run makes the same one. Each class keeps at least one
@@ -396,8 +418,11 @@ def split_per_class(images: ImageSet, fraction: float, seed: int) -> tuple[Image
     """
     rng = np.random.default_rng(seed)
     labels = np.asarray(images.labels)
+    keys = len(images.classes)
+    if images.label_sets is not None:  # a multi-label set: each image by its rarest class
+        labels, keys = split_keys(images.label_sets, keys), keys + 1
     train_idx, val_idx = [], []
-    for c in range(len(images.classes)):
+    for c in range(keys):
         idx = np.flatnonzero(labels == c)
         idx = idx[rng.permutation(len(idx))]
         n_val = int(round(len(idx) * fraction))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +33,13 @@ import numpy as np
 from hvd_train.data import storage, table_splits
 from hvd_train.data.folder import ImageSet, PathList
 from hvd_train.data.table_files import Listing
+from hvd_train.data.table_labels import (
+    MULTI_LABEL_COLUMNS,
+    cell_labels,
+    column_labels,
+    multi_image_set,
+    warn_of_lookalikes,
+)
 from hvd_train.data.table_splits import SPLIT_COLUMNS
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
@@ -70,6 +76,8 @@ class TableOptions:
             ("": the CSV's folder).
         min_per_label: fewest rows a label of the training set may have.
         split_column: the column of splits ("": found by name, if any: ``table_splits``).
+        multi_label: each row labels its image with a set of classes (``table_labels``), split by
+            ``label_separator`` ("": spaces).
     """
 
     path_column: str = ""
@@ -78,6 +86,8 @@ class TableOptions:
     min_per_label: int = 2
     split_column: str = ""
     split: str = ""  # the rows of this split ("": as ``table_splits.chosen`` picks); not a flag of its own
+    multi_label: bool = False
+    label_separator: str = ""
 
     def given(self) -> list[tuple[str, object]]:
         """``(flag, value)`` of each option that is not its default: what a command with no CSV refuses."""
@@ -172,10 +182,10 @@ def _found(rows: list[tuple], prefix: str, s3, where: str, labelled: bool = True
         rel, why = _relative(value, prefix)
         if why:
             problems.append(f"line {line}: {why}")
-        elif labelled and not label:
+        elif labelled and not label and not isinstance(label, tuple):  # a set may be empty
             problems.append(f"line {line}: no label for {value}")
         else:
-            wanted.append((line, value, rel, storage.nfc(label)))
+            wanted.append((line, value, rel, label if isinstance(label, tuple) else storage.nfc(label)))
     _refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
     if not wanted:
         raise UserError(f"{where} names no images; add a row per image below its header.")
@@ -263,12 +273,15 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                         f"table with one delimiter, commas in a .csv, tabs in a .tsv."
                     )
                 path_at = _column(header, options.path_column, PATH_COLUMNS, "--path-column", "", where, False)
-                label_at = _column(
-                    header, options.label_column, LABEL_COLUMNS, "--label-column", "labels", where, labelled
-                )
+                usual = (*MULTI_LABEL_COLUMNS, *LABEL_COLUMNS) if options.multi_label else LABEL_COLUMNS
+                needed = labelled and not options.multi_label  # a multi-label CSV may have a 0/1 column per class
+                label_at = _column(header, options.label_column, usual, "--label-column", "labels", where, needed)
                 if path_at < 0:
                     _no_column(header, PATH_COLUMNS, "--path-column", "image paths", where, labelled)
                 split_at = _column(header, options.split_column, SPLIT_COLUMNS, "--split-column", "", where, False)
+                class_at = [i for i in range(len(header)) if i not in (path_at, split_at)]
+                if labelled and options.multi_label and label_at < 0 and not class_at:
+                    _no_column(header, usual, "--label-column", "labels", where, True)
                 continue
             if len(cells) != len(header):
                 raise UserError(
@@ -277,6 +290,12 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                     f"no row with one."
                 )
             label = cells[label_at].strip() if label_at >= 0 else ""
+            if labelled and options.multi_label:
+                label = (
+                    cell_labels(label, options.label_separator)
+                    if label_at >= 0
+                    else column_labels(header, cells, class_at, reader.line_num, where)
+                )
             rows.append(
                 (reader.line_num, cells[path_at].strip(), label, cells[split_at].strip() if split_at >= 0 else "")
             )
@@ -376,6 +395,8 @@ def _refuse(problems: list[str], what: str, fix: str) -> None:
 
 
 def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, where: str) -> ImageSet:
+    if resolved and isinstance(resolved[0][2], tuple):
+        return multi_image_set(resolved, prefix, classes, least, where)
     labels = [label for _, _, label in resolved]
     if classes is None:
         names = sorted(set(labels))  # as class folders' names sort: the same classes, the same indices
@@ -392,7 +413,7 @@ def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, whe
         )
         if len(names) < 2:
             raise UserError(f"{where} has {len(names)} label ({', '.join(names)}); a classifier needs at least 2.")
-        _warn_of_lookalikes(names, where)
+        warn_of_lookalikes(names, where)
         classes = names
     else:
         first_unknown = next(((line, label) for line, _, label in resolved if label not in classes), None)
@@ -414,24 +435,3 @@ def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, whe
         list(classes),
         prefix=prefix,
     )
-
-
-def _warn_of_lookalikes(names: list[str], where: str) -> None:
-    """A warning for labels that differ only in case, spaces or the form of a number (``Cat``/``cat``, ``1``/``1.0``),
-    which are as many classes."""
-    groups: dict[str, list[str]] = defaultdict(list)
-    for name in names:
-        key = " ".join(name.casefold().split())
-        try:
-            key = repr(float(key))
-        except ValueError:
-            pass
-        groups[key].append(name)
-    alike = ["/".join(repr(n) for n in group) for group in groups.values() if len(group) > 1]
-    if alike:
-        log.warning(
-            "%s: labels %s differ only in case, spaces or the form of a number, and are as many classes; make them "
-            "one label in the CSV if they name one class",
-            where,
-            ", ".join(alike[:SHOWN]),
-        )

@@ -1,0 +1,111 @@
+"""A CSV's labels as sets, for multi-label sets (``TableOptions.multi_label``).
+
+A row names its labels in one cell, split by ``label_separator`` (default:
+spaces; ``|`` as ChestX-ray14 writes them, ``;``), or with a 0/1 column per
+class when the CSV has no column of labels (every column but the path and
+the split is then a class). An image may have no label. The classes are
+the labels sorted (or the columns, sorted); the images are in path order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from hvd_train.data import storage
+from hvd_train.data.folder import ImageSet, PathList
+from hvd_train.data.label_sets import LabelSets
+from hvd_train.errors import UserError
+from hvd_train.log import get_logger
+
+log = get_logger("data")
+SHOWN = 3  # labels named in a warning
+
+MULTI_LABEL_COLUMNS = ("labels", "tags")  # looked for before the single-label names
+
+
+def cell_labels(cell: str, separator: str) -> tuple[str, ...]:
+    """The labels of one cell, each stripped, sorted, without repeats."""
+    parts = cell.split(separator) if separator else cell.split()
+    return tuple(sorted({storage.nfc(p.strip()) for p in parts if p.strip()}))
+
+
+def column_labels(header: list[str], cells: list[str], class_at: list[int], line: int, where: str) -> tuple:
+    """The classes whose 0/1 column holds 1 in this row."""
+    found = []
+    for i in class_at:
+        value = cells[i].strip()
+        try:
+            number = float(value) if value else 0.0
+        except ValueError:
+            number = -1.0
+        if number not in (0.0, 1.0):
+            raise UserError(
+                f"{where}: line {line} has {value!r} in the column {header[i]!r}, where a class's column holds 0 or "
+                f"1; name the column of paths and splits if it is one (--path-column, --split-column)."
+            )
+        if number == 1.0:
+            found.append(storage.nfc(header[i]))
+    return tuple(sorted(found))
+
+
+def multi_image_set(resolved: list, prefix: str, classes: list[str] | None, least: int, where: str) -> ImageSet:
+    """The ImageSet of rows ``(line, path, labels)`` whose labels are sets: its ``label_sets`` into the classes."""
+    if classes is None:
+        names = sorted({label for _, _, labels in resolved for label in labels})
+        counts = dict.fromkeys(names, 0)
+        first: dict[str, int] = {}
+        for line, _, labels in resolved:
+            for label in labels:
+                counts[label] += 1
+                first.setdefault(label, line)
+        few = [f"{n!r} on {counts[n]} (line {first[n]})" for n in names if counts[n] < least]
+        if few:
+            raise UserError(
+                f"{where}: {len(few)} label(s) are on fewer than {least} images: {'; '.join(few[:3])}"
+                f"{' ...' if len(few) > 3 else ''}; a typo? fix or remove them, or pass --min-images-per-label 1."
+            )
+        if not names:
+            raise UserError(f"{where} labels no image; a multi-label set needs at least one label.")
+        classes = names
+    else:
+        unknown = next(
+            ((line, label) for line, _, labels in resolved for label in labels if label not in classes), None
+        )
+        if unknown:
+            raise UserError(
+                f"{where}: line {unknown[0]} has label {unknown[1]!r}, which is not a training class; training "
+                f"classes are: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}."
+            )
+    index = {c: i for i, c in enumerate(classes)}
+    order = sorted(range(len(resolved)), key=lambda i: (storage.canonical_key(resolved[i][1]), resolved[i][1]))
+    sets = LabelSets.of([index[label] for label in resolved[i][2]] for i in order)
+    return ImageSet(
+        PathList.of(prefix, [resolved[i][1] for i in order]),
+        np.zeros(len(order), np.int32),  # replaced by each set's lowest class
+        list(classes),
+        prefix=prefix,
+        label_sets=sets,
+    )
+
+
+def warn_of_lookalikes(names: list[str], where: str) -> None:
+    """A warning for labels that differ only in case, spaces or the form of a number (``Cat``/``cat``, ``1``/``1.0``),
+    which are as many classes."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        key = " ".join(name.casefold().split())
+        try:
+            key = repr(float(key))
+        except ValueError:
+            pass
+        groups[key].append(name)
+    alike = ["/".join(repr(n) for n in group) for group in groups.values() if len(group) > 1]
+    if alike:
+        log.warning(
+            "%s: labels %s differ only in case, spaces or the form of a number, and are as many classes; make them "
+            "one label in the CSV if they name one class",
+            where,
+            ", ".join(alike[:SHOWN]),
+        )
