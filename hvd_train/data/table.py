@@ -37,7 +37,10 @@ from hvd_train.data.table_labels import (
     MULTI_LABEL_COLUMNS,
     cell_labels,
     column_labels,
+    counted_labels,
     multi_image_set,
+    refuse,
+    refuse_unknown,
     warn_of_lookalikes,
 )
 from hvd_train.data.table_splits import SPLIT_COLUMNS
@@ -61,8 +64,6 @@ PATH_COLUMNS = (
     "image_id",
 )
 LABEL_COLUMNS = ("label", "class", "category", "class_name", "target")
-# Rows that break the rules are listed up to this many in an error.
-SHOWN = 3
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def _found(rows: list[tuple], prefix: str, s3, where: str, labelled: bool = True
             problems.append(f"line {line}: no label for {value}")
         else:
             wanted.append((line, value, rel, label if isinstance(label, tuple) else storage.nfc(label)))
-    _refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
+    refuse(problems, f"{where}: {{n}} row(s) cannot be used", hint)
     if not wanted:
         raise UserError(f"{where} names no images; add a row per image below its header.")
     if not storage.is_s3(prefix) and not os.path.isdir(prefix):
@@ -200,15 +201,15 @@ def _found(rows: list[tuple], prefix: str, s3, where: str, labelled: bool = True
             resolved.append((line, name, label))
         else:
             (unclear if why else missing).append(f"line {line}: {value}{why}")
-    _refuse(missing, f"{where}: {{n}} of {len(wanted)} image(s) it names are not in {_shown(prefix)}", hint)
-    _refuse(unclear, f"{where}: {{n}} row(s) name no one image file", "name each image's file")
+    refuse(missing, f"{where}: {{n}} of {len(wanted)} image(s) it names are not in {_shown(prefix)}", hint)
+    refuse(unclear, f"{where}: {{n}} row(s) name no one image file", "name each image's file")
     first_line: dict[str, int] = {}
     twice = []
     for line, name, _ in resolved:
         seen = first_line.setdefault(name, line)
         if seen != line:
             twice.append(f"{name} on lines {seen} and {line}")
-    _refuse(twice, f"{where}: {{n}} image(s) are on more than one row", "give each image one row")
+    refuse(twice, f"{where}: {{n}} image(s) are on more than one row", "give each image one row")
     return resolved
 
 
@@ -386,43 +387,18 @@ def _root_hint(prefix: str) -> str:
     return f"paths are relative to {_shown(prefix)} (--image-root names another)"
 
 
-def _refuse(problems: list[str], what: str, fix: str) -> None:
-    if problems:
-        more = f" and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
-        raise UserError(
-            f"{what.format(n=len(problems))}: {'; '.join(problems[:SHOWN])}{more}" + (f"; {fix}." if fix else ".")
-        )
-
-
 def _image_set(resolved, prefix: str, classes: list[str] | None, least: int, where: str) -> ImageSet:
     if resolved and isinstance(resolved[0][2], tuple):
         return multi_image_set(resolved, prefix, classes, least, where)
-    labels = [label for _, _, label in resolved]
+    rows = [(line, (label,)) for line, _, label in resolved]
     if classes is None:
-        names = sorted(set(labels))  # as class folders' names sort: the same classes, the same indices
-        counts = {name: 0 for name in names}
-        first: dict[str, int] = {}
-        for line, _, label in resolved:
-            counts[label] += 1
-            first.setdefault(label, line)
-        few = [f"{n!r} on {counts[n]} (line {first[n]})" for n in names if counts[n] < least]
-        _refuse(
-            few,
-            f"{where}: {{n}} label(s) are on fewer than {least} images",
-            "a typo? fix or remove those rows, or pass --min-images-per-label 1",
-        )
+        names = counted_labels(rows, least, where)  # as class folders' names sort: the same classes and indices
         if len(names) < 2:
             raise UserError(f"{where} has {len(names)} label ({', '.join(names)}); a classifier needs at least 2.")
         warn_of_lookalikes(names, where)
         classes = names
     else:
-        first_unknown = next(((line, label) for line, _, label in resolved if label not in classes), None)
-        if first_unknown:
-            line, label = first_unknown
-            raise UserError(
-                f"{where}: line {line} has label {label!r}, which is not a training class; training classes are: "
-                f"{', '.join(classes)}."
-            )
+        refuse_unknown(rows, classes, where)
     index = {c: i for i, c in enumerate(classes)}
     # Names alike in all but their Unicode form (a tie of the canonical key) in the order of their bytes.
     order = sorted(

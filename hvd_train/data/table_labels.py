@@ -20,7 +20,7 @@ from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 
 log = get_logger("data")
-SHOWN = 3  # labels named in a warning
+SHOWN = 3  # rows or labels named in an error or a warning
 
 MULTI_LABEL_COLUMNS = ("labels", "tags")  # looked for before the single-label names
 
@@ -50,34 +50,52 @@ def column_labels(header: list[str], cells: list[str], class_at: list[int], line
     return tuple(sorted(found))
 
 
+def refuse(problems: list[str], what: str, fix: str) -> None:
+    """One error naming the first ``SHOWN`` of ``problems`` and counting the rest (``what`` holds ``{n}``)."""
+    if problems:
+        more = f" and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        raise UserError(
+            f"{what.format(n=len(problems))}: {'; '.join(problems[:SHOWN])}{more}" + (f"; {fix}." if fix else ".")
+        )
+
+
+def counted_labels(rows, least: int, where: str) -> list[str]:
+    """The labels of ``rows`` (``(line, labels)`` pairs), sorted as class folders' names sort; a label on fewer
+    than ``least`` images is refused, at its first line."""
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for line, labels in rows:
+        for label in labels:
+            counts[label] = counts.get(label, 0) + 1
+            first.setdefault(label, line)
+    names = sorted(counts)
+    refuse(
+        [f"{n!r} on {counts[n]} (line {first[n]})" for n in names if counts[n] < least],
+        f"{where}: {{n}} label(s) are on fewer than {least} images",
+        "a typo? fix or remove those rows, or pass --min-images-per-label 1",
+    )
+    return names
+
+
+def refuse_unknown(rows, classes: list[str], where: str) -> None:
+    """Refuses the first label of ``rows`` (``(line, labels)`` pairs) that is not a training class."""
+    unknown = next(((line, label) for line, labels in rows for label in labels if label not in classes), None)
+    if unknown:
+        raise UserError(
+            f"{where}: line {unknown[0]} has label {unknown[1]!r}, which is not a training class; training "
+            f"classes are: {', '.join(classes)}."
+        )
+
+
 def multi_image_set(resolved: list, prefix: str, classes: list[str] | None, least: int, where: str) -> ImageSet:
     """The ImageSet of rows ``(line, path, labels)`` whose labels are sets: its ``label_sets`` into the classes."""
+    rows = [(line, labels) for line, _, labels in resolved]
     if classes is None:
-        names = sorted({label for _, _, labels in resolved for label in labels})
-        counts = dict.fromkeys(names, 0)
-        first: dict[str, int] = {}
-        for line, _, labels in resolved:
-            for label in labels:
-                counts[label] += 1
-                first.setdefault(label, line)
-        few = [f"{n!r} on {counts[n]} (line {first[n]})" for n in names if counts[n] < least]
-        if few:
-            raise UserError(
-                f"{where}: {len(few)} label(s) are on fewer than {least} images: {'; '.join(few[:3])}"
-                f"{' ...' if len(few) > 3 else ''}; a typo? fix or remove them, or pass --min-images-per-label 1."
-            )
-        if not names:
+        classes = counted_labels(rows, least, where)
+        if not classes:
             raise UserError(f"{where} labels no image; a multi-label set needs at least one label.")
-        classes = names
     else:
-        unknown = next(
-            ((line, label) for line, _, labels in resolved for label in labels if label not in classes), None
-        )
-        if unknown:
-            raise UserError(
-                f"{where}: line {unknown[0]} has label {unknown[1]!r}, which is not a training class; training "
-                f"classes are: {', '.join(classes[:20])}{' ...' if len(classes) > 20 else ''}."
-            )
+        refuse_unknown(rows, classes, where)
     index = {c: i for i, c in enumerate(classes)}
     order = sorted(range(len(resolved)), key=lambda i: (storage.canonical_key(resolved[i][1]), resolved[i][1]))
     sets = LabelSets.of([index[label] for label in resolved[i][2]] for i in order)
