@@ -50,10 +50,19 @@ def held_out_name(store: storage.Store) -> str:
     """The first of ``HELD_OUT`` that the TFDS folder ``store`` has as a split ("": none, or no readable
     description: reading the training split says why)."""
     try:
-        names = {s.get("name") for s in json.loads(store.read(INFO)).get("splits", []) if isinstance(s, dict)}
+        return _held_out(_splits(json.loads(store.read(INFO))))
     except (ValueError, TypeError, AttributeError, UnicodeDecodeError, UserError):
         return ""
-    return next((s for s in HELD_OUT if s in names), "")
+
+
+def _splits(info: dict) -> dict[str, dict]:
+    """A description's splits by name."""
+    return {s.get("name"): s for s in info.get("splits", []) if isinstance(s, dict)}
+
+
+def _held_out(splits: dict) -> str:
+    """The first of ``HELD_OUT`` among ``splits`` ("": none)."""
+    return next((s for s in HELD_OUT if s in splits), "")
 
 
 def split_of(store: storage.Store, split: str, held_out: bool, flag: str, split_flag: str) -> Split:
@@ -82,9 +91,9 @@ def _split_of(store: storage.Store, split: str, held_out: bool, where: str, spli
             f"{where} is a TFDS folder of {fmt} files; only TFRecord files are read: prepare it with "
             f"file_format='tfrecord'."
         )
-    splits = {s.get("name"): s for s in info.get("splits", []) if isinstance(s, dict)}
+    splits = _splits(info)
     if not split:
-        split = next((s for s in HELD_OUT if s in splits), HELD_OUT[0]) if held_out else "train"
+        split = (_held_out(splits) or HELD_OUT[0]) if held_out else "train"
     if split not in splits:
         raise UserError(
             f"{where} has no split {split!r}; its splits are: {', '.join(sorted(map(str, splits))) or 'none'}. "
