@@ -161,6 +161,29 @@ def read_json(path: Path):
     return json.loads(Path(path).read_text())
 
 
+def trained_alike(runs: dict[str, list], folder: Path, options: list) -> dict[str, dict]:
+    """Trains a run for each of ``runs`` (name: its data's arguments) at once, into ``folder/<name>``, and checks
+    that they came out alike: the same held-out accuracy and loss, every weight the same to the bit. Returns each
+    run's summary."""
+    from hvd_train.compat import keras
+
+    outputs = {name: folder / name for name in runs}
+    procs = run_at_once(
+        *([*HVD_TRAIN, "train", *data, "--output", outputs[name], *options] for name, data in runs.items())
+    )
+    for proc in procs:
+        assert proc.returncode == 0, output_of(proc)
+    summaries = {name: read_json(outputs[name] / "summary.json") for name in runs}
+    first, *others = summaries.values()
+    for other in others:
+        assert (other["val_accuracy"], other["val_loss"]) == (first["val_accuracy"], first["val_loss"])
+    models = [keras.models.load_model(outputs[name] / "model.keras", compile=False) for name in runs]
+    for weights in zip(*(m.get_weights() for m in models)):
+        for other in weights[1:]:
+            np.testing.assert_array_equal(weights[0], other)
+    return summaries
+
+
 def write_images(root: Path, counts: dict[str, int], size: int = 32, seed: int = 0) -> Path:
     """Writes ``root/<class>/img-N.png`` with a class-specific colour; returns root."""
     from PIL import Image

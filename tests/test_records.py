@@ -9,7 +9,6 @@ import re
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from hvd_train.compat import tf
@@ -19,7 +18,16 @@ from hvd_train.data.pipeline import eval_dataset
 from hvd_train.data.storage import S3Options
 from hvd_train.errors import UserError
 
-from conftest import HVD_TRAIN, TINY, launcher_command, output_of, read_json, run_at_once, write_images
+from conftest import (
+    HVD_TRAIN,
+    TINY,
+    launcher_command,
+    output_of,
+    read_json,
+    run_at_once,
+    trained_alike,
+    write_images,
+)
 
 COUNTS = {"cat": 3, "dog": 4, "owl": 2}
 # Model Garden's and the TPU reference ImageNet shards: these keys, labels from 1, the synset beside the label.
@@ -433,7 +441,6 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
     (one folder, ``train-*`` and ``validation-*``, labels from 1): the same weights to the bit and the same held-out
     score. Two ranks make the index of a folder never read before, each a share of the files, and ``evaluate``
     scores it as the folder of the images."""
-    from hvd_train.compat import keras
 
     packs = tmp_path / "packed"
     proc = run_at_once([*HVD_TRAIN, "pack", demo_small, packs, "--val-split", "0.2", "--shard-size", "20KB"])[0]
@@ -451,18 +458,8 @@ def test_other_tools_records_train_the_packed_sets_model_and_evaluate_alike_unde
         ],
     }
     runs = {name: tmp_path / name for name in given}
-    options = [*TINY, "--deterministic", "--epochs", "2"]
-    trained = run_at_once(
-        *([*HVD_TRAIN, "train", *data, "--output", runs[name], *options] for name, data in given.items())
-    )
-    for proc in trained:
-        assert proc.returncode == 0, output_of(proc)
-    ours, theirs = (read_json(runs[name] / "summary.json") for name in given)
+    ours, theirs = trained_alike(given, tmp_path, [*TINY, "--deterministic", "--epochs", "2"]).values()
     assert theirs["val_images"] == ours["val_images"] > 0
-    assert (theirs["val_accuracy"], theirs["val_loss"]) == (ours["val_accuracy"], ours["val_loss"])
-    models = [keras.models.load_model(runs[name] / "model.keras", compile=False) for name in given]
-    for mine, other in zip(*(m.get_weights() for m in models)):
-        np.testing.assert_array_equal(mine, other)
     fresh = tmp_path / "fresh"
     rewrite(packs / "train", fresh, offset=1)
     rewrite(packs / "val", fresh, stem="validation", offset=1)
