@@ -102,3 +102,80 @@ def test_the_threshold_is_a_probability_compared_on_the_logits():
     logits = np.array([[np.log(0.7 / 0.3)], [np.log(0.69 / 0.31)], [-3.0]], np.float32)
     got = multilabel.counts(logits, np.array([[1], [1], [0]]), 0.7, multilabel.one_rank()[1])
     assert (got.tp.tolist(), got.fp.tolist(), got.fn.tolist()) == ([1], [0], [1])
+
+
+@pytest.mark.multiprocess  # a job of two ranks
+def test_a_multi_label_run_trains_and_its_held_out_scores_are_those_of_its_saved_model(demo_small, tmp_path):
+    """The demo's images, each labelled with its pattern and, for every other image, a tag: a sigmoid head trained
+    by two ranks; its summary's mAP, F1 and per-class counts are exactly those one process computes from the saved
+    model over the same held-out images; the options that do not apply, and the commands that do not read it yet,
+    are refused in one line."""
+    from hvd_train.compat import keras
+    from hvd_train.data.folder import split_per_class
+    from hvd_train.data.pipeline import eval_dataset
+    from hvd_train.data.table import TableOptions, read_table
+    from hvd_train.distributed.context import Context
+    from hvd_train.model.catalogue import get_spec
+
+    from conftest import HVD_TRAIN, TINY, TINY_MODEL, launcher_command, output_of, read_json, run, run_at_once
+
+    images = sorted(p.relative_to(demo_small).as_posix() for p in demo_small.rglob("*.png"))
+    rows = [f"{rel},{rel.split('/')[0]}{'|tagged' if i % 2 else ''}" for i, rel in enumerate(images)]
+    (tmp_path / "multi.csv").write_text("path,labels\n" + "\n".join(rows) + "\n")
+    csv = str(tmp_path / "multi.csv")
+    out = tmp_path / "run"
+    options = [
+        *(*TINY, "--multi-label", "--label-separator", "|", "--threshold", "0.5", "--image-root", demo_small),
+        *("--val-split", "0.2", "--epochs", "2", "--seed", "7", "--early-stop", "3", "--early-stop-metric", "val_map"),
+    ]
+    proc = run([*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "train", "--data", csv, "--output", out, *options])
+    assert proc.returncode == 0, output_of(proc)
+    summary = read_json(out / "summary.json")
+    assert summary["task"] == "multi_label" and summary["val_accuracy"] is None
+    # One process, the saved model, the same held-out images (the split is the seed's).
+    multi = TableOptions(image_root=str(demo_small), multi_label=True, label_separator="|")
+    listed = read_table(csv, "--data", options=multi)
+    held = split_per_class(listed, 0.2, 7)[1]
+    model = keras.models.load_model(out / "model.keras", compile=False)
+    preprocess = get_spec(TINY_MODEL).preprocess_input()
+    data = eval_dataset(held, rank=0, size=1, batch_size=5, image_size=32, crop_fraction=0.875, preprocess=preprocess)
+    mine = multilabel.evaluate_multi(model, data.dataset, Context(), 0.5)
+    assert summary["val_images"] == mine.count == len(held)
+    assert (summary["val_map"], summary["val_f1"]) == (mine.map, mine.f1)
+    for i, name in enumerate(listed.classes):
+        assert (summary["val_per_class"][name]["tp"], summary["val_per_class"][name]["fn"]) == (
+            int(mine.counts.tp[i]),
+            int(mine.counts.fn[i]),
+        )
+    refused = run_at_once(
+        [*HVD_TRAIN, "train", "--data", csv, "--output", tmp_path / "x", *options, "--mixup", "0.2"],
+        [*HVD_TRAIN, "predict", "--model-dir", out, str(demo_small / images[0])],
+    )
+    assert "with --multi-label mixup blends one label a row" in refused[0].stderr, output_of(refused[0])
+    assert "is a multi-label run, which evaluate, predict and export do not read yet" in refused[1].stderr
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--data", "d", "--multi-label"], r"`--data` is invalid.* a multi-label set is read from a CSV of labels"),
+        (["--data", "t.csv", "--multi-label", "--head-parallel", "2"], r"with --multi-label the sharded head"),
+        (["--data", "t.csv", "--multi-label", "--class-weights", "auto"], r"with --multi-label its weights"),
+        (["--data", "t.csv", "--multi-label", "--cutmix", "1"], r"with --multi-label CutMix blends one label"),
+        (["--data", "t.csv", "--multi-label", "--early-stop", "2"], r"scored by val_map, val_f1 or val_loss"),
+        (["--data", "t.csv", "--multi-label", "--threshold", "1"], r"use a probability in \(0, 1\)"),
+        (["--data", "t.csv", "--threshold", "0.3"], r"it applies to multi-label sets; add --multi-label"),
+        (["--data", "t.csv", "--label-separator", ";"], r"it applies to multi-label sets; add --multi-label"),
+        (["--data", "d", "--early-stop", "2", "--early-stop-metric", "val_f1"], r"a multi-label set's score"),
+    ],
+)
+def test_what_does_not_apply_to_a_multi_label_set_is_refused_in_one_line(argv, match):
+    import argparse
+
+    from hvd_train import config
+    from hvd_train.errors import UserError
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    with pytest.raises(UserError, match=match):
+        config.from_sources(parser.parse_args(["--output", "o", *argv]))

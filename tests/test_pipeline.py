@@ -179,3 +179,20 @@ def test_undecodable_images_become_stand_ins_in_their_places_across_groups():
     out = list(guard.decoded_or_stand_in(ds, load, stand_ins).unbatch().as_numpy_iterator())
     assert [int(i) for _, i in out] == [-1 - i if i in bad else i for i in range(n)]
     assert [pixels.tolist() for pixels, _ in out] == [[-7] * 4 if i in bad else [i] * 4 for i in range(n)]
+
+
+def test_a_multi_label_sets_batches_carry_each_images_classes_as_a_multi_hot_row(files):
+    """Each training image's label is the row of its set of classes (none: all 0), found again by its id."""
+    from hvd_train.data.label_sets import LabelSets
+
+    sets = [[i % 3, (i * 2) % 5] if i % 4 else [] for i in range(N)]
+    data = ImageSet(files, [0] * N, [f"c{i}" for i in range(5)], label_sets=LabelSets.of(sets))
+    segments = [(Segment.whole(0, N, 1, 4, seed=1), 0)]
+    ds = train_input(data, segments, rank=0, image_size=8, augment="none", preprocess=lambda x: x, seed=1).dataset
+    seen = set()
+    for _, labels, ids in ds.as_numpy_iterator():
+        assert labels.shape == (4, 5) and labels.dtype == np.float32
+        for row, i in zip(labels, ids):
+            assert sorted(np.flatnonzero(row).tolist()) == sorted(set(sets[i])) and set(row.tolist()) <= {0.0, 1.0}
+            seen.add(int(i))
+    assert seen == set(range(N))  # every image, its steps padded as every rank's are

@@ -144,6 +144,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             ("--cutmix", d.cutmix, d.cutmix, "the sharded head takes one label a row, not mixed targets"),
         ):
             _require(not used, flag, value, f"with --head-parallel {why}; drop one of them")
+    _multi_label(cfg)
     try:
         parse_every(r.checkpoint_every)
     except ValueError:
@@ -224,3 +225,35 @@ def parse_every(text: str) -> tuple[int, float]:
     if not seconds > 0:
         raise ValueError(text)
     return 0, seconds
+
+
+def _multi_label(cfg: TrainConfig) -> None:
+    """``--multi-label``: a CSV's sets of labels, a sigmoid head; what does not apply to it is refused."""
+    d, o, h = cfg.data, cfg.optim, cfg.horovod
+    if not d.multi_label:
+        for flag, value, default in (("--label-separator", d.label_separator, ""), ("--threshold", d.threshold, 0.5)):
+            _require(value == default, flag, value, "it applies to multi-label sets; add --multi-label, or drop it")
+        metric = cfg.run.early_stop_metric
+        _require(
+            not (cfg.run.early_stop and metric in ("val_map", "val_f1")),
+            "--early-stop-metric",
+            metric,
+            "a multi-label set's score; add --multi-label, or watch val_accuracy, val_top5 or val_loss",
+        )
+        return
+    _require(0.0 < d.threshold < 1.0, "--threshold", d.threshold, "use a probability in (0, 1), e.g. 0.5")
+    for url, flag in ((d.train, "--data"), (d.val, "--val-data")):
+        _require(not url or is_table(url), flag, url, "a multi-label set is read from a CSV of labels; give one")
+    for flag, value, used, why in (
+        ("--mixup", d.mixup, d.mixup, "mixup blends one label a row"),
+        ("--cutmix", d.cutmix, d.cutmix, "CutMix blends one label a row"),
+        ("--head-parallel", h.head_parallel, h.head_parallel, "the sharded head normalises a softmax across shards"),
+        ("--class-weights", o.class_weights, o.class_weights == "auto", "its weights are one class a row"),
+        (
+            "--early-stop-metric",
+            cfg.run.early_stop_metric,
+            bool(cfg.run.early_stop) and cfg.run.early_stop_metric in ("val_accuracy", "val_top5"),
+            "a multi-label set is scored by val_map, val_f1 or val_loss",
+        ),
+    ):
+        _require(not used, flag, value, f"with --multi-label {why}; drop one of them")

@@ -111,6 +111,9 @@ class DataConfig:
     path_column: str = _opt("", "--path-column", "a CSV's column of image paths (default: path, file, image, id, ...)")
     label_column: str = _opt("", "--label-column", "a CSV's column of labels (default: label, class, category, ...)")
     split_column: str = _opt("", "--split-column", "a CSV's column of splits (default: split, subset, partition)")
+    multi_label: bool = _opt(False, "--multi-label", "a CSV's images each have a set of labels: a sigmoid head")
+    label_separator: str = _opt("", "--label-separator", "what splits a multi-label CSV's labels (default: spaces)")
+    threshold: float = _opt(0.5, "--threshold", "a multi-label decision: the probability a label needs")
     min_images_per_label: int = _opt(
         2, "--min-images-per-label", "fewest images a label of a training CSV may have (fewer: a typo, mostly)"
     )
@@ -157,7 +160,13 @@ class DataConfig:
     def table_options(self) -> TableOptions:
         """How a CSV of labels is read, as ``table.TableOptions``."""
         return TableOptions(
-            self.path_column, self.label_column, self.image_root, self.min_images_per_label, self.split_column
+            self.path_column,
+            self.label_column,
+            self.image_root,
+            self.min_images_per_label,
+            self.split_column,
+            multi_label=self.multi_label,
+            label_separator=self.label_separator,
         )
 
     def record_options(self) -> RecordOptions:

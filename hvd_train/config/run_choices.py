@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hvd_train.config.fields import opt as _opt
 from hvd_train.config.fields import renamed as _renamed
 
-EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5")
+EARLY_STOP_METRICS = ("val_accuracy", "val_loss", "val_top5", "val_map", "val_f1")
 # --track: none, and the names of the table of trackers (training.tracking.TRACKERS, which a test holds it to).
 TRACKERS = ("none", "mlflow", "jsonl")
 

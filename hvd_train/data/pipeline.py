@@ -108,13 +108,13 @@ def train_input(
 
     else:
         reader, ds = _folder_files(data, segments, rank, seed, s3)
-        labels_t = tf.constant(data.labels, dtype=tf.int32)
+        label_of = label_lookup(data)
 
         def load(index, epoch, contents):
-            return augmenter(contents, epoch * n + index), labels_t[index], index
+            return augmenter(contents, epoch * n + index), label_of(index), index
 
         def stand_ins(index, epoch, contents):
-            return black(index, image_size), tf.gather(labels_t, index), -1 - index
+            return black(index, image_size), label_of(index), -1 - index
 
     # Order is kept at every stage (tf.data's default): the same plan gives the same batches.
     if isinstance(data, ShardSet):
@@ -133,6 +133,24 @@ def train_input(
     ds = ds.map(plain(prepared), num_parallel_calls=tf.data.AUTOTUNE)
     ds = ds.prefetch(tf.data.AUTOTUNE)
     return TrainInput(_with_threads(ds, threads), segments, reader)
+
+
+def label_lookup(data: ImageSet):
+    """``f(index)``: the label of image ``index`` of ``data``, its class (int32), or in a multi-label set its
+    classes as one multi-hot row (float32 ``[classes]``, all 0 for an image with none)."""
+    if data.label_sets is None:
+        labels_t = tf.constant(data.labels, dtype=tf.int32)
+        return lambda index: tf.gather(labels_t, index)
+    sets, classes = data.label_sets, len(data.classes)
+    rows = tf.RaggedTensor.from_row_limits(tf.constant(sets.indices, tf.int32), tf.constant(sets.ends))
+
+    def multi_hot(index):  # a scalar index, or a group of them
+        index = tf.convert_to_tensor(index)
+        mine = tf.gather(rows, tf.reshape(index, [-1]))
+        hot = tf.reduce_sum(tf.ragged.map_flat_values(tf.one_hot, mine, classes), axis=1)  # a set: 0 or 1 each
+        return tf.reshape(tf.cast(hot, tf.float32), tf.concat([tf.shape(index), [classes]], 0))
+
+    return multi_hot
 
 
 def release(held: list) -> None:
@@ -334,6 +352,19 @@ def eval_dataset(
                 )
             )
             ds = ds.map(plain(lambda i, p: (i, tf.io.read_file(p))), num_parallel_calls=tf.data.AUTOTUNE)
+
+        if data.label_sets is not None:  # a multi-label set: (images, multi-hot rows, ids), -1 - index a stand-in
+            rows_of = label_lookup(data.subset(np.arange(rank, len(data), size)))
+
+            def multi(i, contents):
+                return center(contents), rows_of(i), tf.cast(rank + i * size, tf.int32)
+
+            def multi_stand_ins(i, contents):
+                return black(i, image_size), rows_of(i), tf.cast(-1 - (rank + i * size), tf.int32)
+
+            ds = decoded_or_stand_in(ds, multi, multi_stand_ins).unbatch().batch(batch_size)
+            ds = ds.map(plain(lambda images, rows, ids: (preprocess(images), rows, ids)))
+            return EvalInput(_with_threads(ds.prefetch(tf.data.AUTOTUNE), threads), reader)
 
         def stand_ins(i, contents):  # the label says which image it stands for: -1 - its index in ``data``
             return black(i, image_size), tf.cast(-1 - (rank + i * size), tf.int32)

@@ -232,8 +232,16 @@ def resolve_head_norm(cfg: ModelConfig) -> str:
     return "layer" if cfg.freeze_backbone else "none"
 
 
-def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weights: bool = True):
-    """Builds backbone + head: GlobalAveragePooling2D, LayerNormalization (``--head-norm``), Dropout, Dense(softmax).
+def head_activation(cfg) -> str:
+    """The head's activation for the run ``cfg`` (a TrainConfig): sigmoid for a multi-label set, else softmax."""
+    return "sigmoid" if cfg.data.multi_label else "softmax"
+
+
+def build_model(
+    cfg: ModelConfig, num_classes: int, image_size: int, load_weights: bool = True, activation: str = "softmax"
+):
+    """Builds backbone + head: GlobalAveragePooling2D, LayerNormalization (``--head-norm``), Dropout, Dense
+    (``activation``: softmax, or sigmoid for a multi-label set).
 
     Args:
         cfg: the model section of the configuration.
@@ -292,7 +300,7 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, load_weight
         x = keras.layers.LayerNormalization(name="head_norm")(x)
     if cfg.dropout:
         x = keras.layers.Dropout(cfg.dropout, name="head_dropout")(x)
-    outputs = keras.layers.Dense(num_classes, activation="softmax", dtype="float32", name=HEAD_LAYER)(x)
+    outputs = keras.layers.Dense(num_classes, activation=activation, dtype="float32", name=HEAD_LAYER)(x)
     # A model of the user's own is named after its function (a path is no Keras name).
     return keras.Model(inputs, outputs, name=f"{spec.name.rpartition(':')[2]}_classifier")
 

@@ -96,8 +96,14 @@ class Net:
         classes = int(base.outputs[0].shape[-1])
         # --mixup / --cutmix: the step mixes each batch, and the loss takes the mixed targets.
         self._mixer = Mixer(cfg.data.mixup, cfg.data.cutmix, classes) if cfg.data.mixup or cfg.data.cutmix else None
-        loss = training_loss(cfg.optim.label_smoothing, classes, soft_targets=self._mixer is not None)
-        self.model.compile(optimizer=self.optimizer, loss=loss, metrics=["accuracy"])
+        self._multi_label = cfg.data.multi_label
+        if self._multi_label:  # each image's classes as a multi-hot row: a sigmoid per class, its own cross-entropy
+            loss = keras.losses.BinaryCrossentropy(label_smoothing=cfg.optim.label_smoothing)
+            metrics = [keras.metrics.F1Score(average="micro", threshold=cfg.data.threshold, name="f1")]
+        else:
+            loss = training_loss(cfg.optim.label_smoothing, classes, soft_targets=self._mixer is not None)
+            metrics = ["accuracy"]
+        self.model.compile(optimizer=self.optimizer, loss=loss, metrics=metrics)
         if keras_3():  # --grad-accum: the step's own (tf-keras: Horovod's DistributedOptimizer)
             self._accumulate(cfg.horovod.grad_accum)
         # --class-weights auto: images / (classes x images of the class), the same for every rank.
@@ -359,9 +365,10 @@ class Net:
             shape = self.model.input_shape[1:]
             zeros = tf.zeros((1, *shape))
             probs = self.model(zeros, training=False)
-            targets = tf.zeros((1, probs.shape[-1])) if self._mixer is not None else tf.zeros((1,), tf.int32)
+            rows = self._mixer is not None or self._multi_label  # targets as rows of classes
+            targets = tf.zeros((1, probs.shape[-1])) if rows else tf.zeros((1,), tf.int32)
             self.model.compute_loss(zeros, targets, probs)
-            self.model.compute_metrics(zeros, tf.zeros((1,), tf.int32), probs, None)
+            self.model.compute_metrics(zeros, targets if self._multi_label else tf.zeros((1,), tf.int32), probs, None)
             self.model.reset_metrics()
 
     def _loss_metric(self):

@@ -82,6 +82,11 @@ def load_trained(model_dir: str, sharded: bool = False) -> Trained:
         classes = json.load(f)
     with open(paths[CONFIG], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
+    if (run_config.get("data") or {}).get("multi_label"):
+        raise UserError(
+            f"{model_dir} is a multi-label run, which evaluate, predict and export do not read yet; its held-out "
+            f"scores are in its summary.json (val_map, val_f1, val_per_class)."
+        )
     _check_keras_major(paths[names[0]])
     try:
         model = keras.models.load_model(paths[names[0]], compile=False)

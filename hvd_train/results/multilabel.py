@@ -115,7 +115,8 @@ def average_precisions(logits: np.ndarray, labels: np.ndarray, gather: Gather, r
         for c, (values, _) in enumerate(steps)
     ]
     flat = np.concatenate(local).astype(np.float64) if local else np.zeros(0)
-    total = np.rint(reduce_sum(flat)).astype(np.int64)
+    # The same length on every rank (the positives are all ranks'); none at all: nothing to sum.
+    total = np.rint(reduce_sum(flat)).astype(np.int64) if flat.size else np.zeros(0, np.int64)
     out = np.full(classes, np.nan)
     start = 0
     for c, (values, at) in enumerate(steps):
@@ -131,3 +132,109 @@ def average_precisions(logits: np.ndarray, labels: np.ndarray, gather: Gather, r
 def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(denominator > 0, numerator / np.maximum(denominator, 1), np.nan)
+
+
+@dataclass(frozen=True)
+class MultiLabelResult:
+    """The held-out scores of a multi-label classifier, of all ranks (``evaluate_multi``)."""
+
+    count: int
+    loss_sum: float
+    counts: Counts
+    ap: np.ndarray
+    threshold: float
+    skipped: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        """The mean over images of the binary cross-entropy averaged over classes."""
+        return self.loss_sum / self.count if self.count else float("nan")
+
+    @property
+    def map(self) -> float:
+        """The mean average precision over the classes with a positive."""
+        scored = self.ap[~np.isnan(self.ap)]
+        return float(scored.mean()) if scored.size else float("nan")
+
+    @property
+    def f1(self) -> float:
+        return self.counts.micro_f1()
+
+
+def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") -> MultiLabelResult:
+    """Scores this rank's share of held-out images, ``(images, multi-hot rows, ids)`` batches (a negative id: a
+    stand-in for an image that could not be decoded, not scored), and sums over all ranks: exact counts and
+    average precision (the module's docstring). Every rank must call it."""
+    import time
+
+    from hvd_train.compat import keras, tf
+    from hvd_train.model.catalogue import HEAD_LAYER
+
+    started = time.perf_counter()
+    head = model.get_layer(HEAD_LAYER)
+    features = keras.Model(model.inputs, head.input)
+
+    @tf.function(reduce_retracing=True, autograph=False)
+    def step(images):
+        rows = tf.cast(features(images, training=False), tf.float32)
+        return tf.matmul(rows, tf.cast(head.kernel, tf.float32)) + tf.cast(head.bias, tf.float32)
+
+    classes = int(head.kernel.shape[-1])
+    logits, labels, skipped = [np.zeros((0, classes), np.float32)], [np.zeros((0, classes), np.float32)], []
+    for images, rows, ids in dataset:
+        ids = ids.numpy()
+        keep = ids >= 0
+        skipped += (-1 - ids[~keep]).tolist()
+        logits.append(step(images).numpy()[keep])
+        labels.append(rows.numpy()[keep])
+    scores, truth = np.concatenate(logits), np.concatenate(labels)
+    x = np.nan_to_num(scores.astype(np.float64), nan=0.0)
+    loss = (np.maximum(x, 0) - x * truth + np.log1p(np.exp(-np.abs(x)))).mean(axis=1) if x.size else np.zeros(0)
+    total = ctx.allreduce_sum(np.array([len(truth), loss.sum(), len(skipped)], np.float64), name=f"{name}.sums")
+    if total[2] > 0:  # every rank sees the same sum: all take part in the gather or none
+        skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
+
+    def reduce_sum(tag):
+        return lambda array: ctx.allreduce_sum(np.asarray(array, np.float64), name=f"{name}.{tag}")
+
+    found = counts(scores, truth, threshold, reduce_sum("counts"))
+    gather = lambda obj: ctx.allgather_object(obj, name=f"{name}.positives")  # noqa: E731
+    ap = average_precisions(scores, truth, gather, reduce_sum("ranked"))
+    return MultiLabelResult(
+        int(round(total[0])), float(total[1]), found, ap, threshold, tuple(skipped), time.perf_counter() - started
+    )
+
+
+def multi_label_summary(result: MultiLabelResult, job) -> dict:
+    """``summary.json``'s held-out fields of a multi-label run."""
+
+    def number(x) -> float | None:
+        return None if np.isnan(x) else float(x)
+
+    c = result.counts
+    per_class = {
+        name: {
+            "positives": int(c.positives[i]),
+            "tp": int(c.tp[i]),
+            "fp": int(c.fp[i]),
+            "fn": int(c.fn[i]),
+            "precision": number(c.precision()[i]),
+            "recall": number(c.recall()[i]),
+            "f1": number(c.f1()[i]),
+            "ap": number(result.ap[i]),
+        }
+        for i, name in enumerate(job.classes)
+    }
+    tp, fp, fn = int(c.tp.sum()), int(c.fp.sum()), int(c.fn.sum())
+    return {
+        "task": "multi_label",
+        "threshold": result.threshold,
+        "val_loss": result.loss,
+        "val_images": result.count,
+        "val_map": number(result.map),
+        "val_f1": number(result.f1),
+        "val_precision": tp / (tp + fp) if tp + fp else None,
+        "val_recall": tp / (tp + fn) if tp + fn else None,
+        "val_per_class": per_class,
+    }

@@ -135,6 +135,25 @@ def per_class_rows(matrix: Confusion, classes: list[str]) -> list[list]:
 WORST_SHOWN = 50  # per-class rows shown when there are many classes
 
 
+def _pair(a, b) -> str | None:
+    """``a; b`` of two scores (None: neither)."""
+    if a is None and b is None:
+        return None
+    return "; ".join("n/a" if x is None else f"{x:.4f}" for x in (a, b))
+
+
+def _multi_label_section(per_class: dict) -> list[str]:
+    """A multi-label run's classes, lowest average precision first (the first ``WORST_SHOWN``)."""
+    rows = [
+        [name, c["positives"], c["tp"], c["fp"], c["fn"], c["precision"], c["recall"], c["f1"], c["ap"]]
+        for name, c in per_class.items()
+    ]
+    rows.sort(key=lambda r: (r[8] is None, r[8] if r[8] is not None else 0, r[0]))
+    heading = f"the {WORST_SHOWN} lowest of {len(rows)} classes" if len(rows) > WORST_SHOWN else "lowest first"
+    keys = ["class", "positives", "TP", "FP", "FN", "precision", "recall", "F1", "AP"]
+    return [f"<h3>Per class, by average precision, {heading}</h3>", table(keys, rows[:WORST_SHOWN], (0,))]
+
+
 def _confusion_section(title: str, matrix, classes: list[str], note: str) -> list[str]:
     matrix = plots.confusion_from_json(matrix)
     picture = png_data(lambda f: plots.confusion(matrix, classes, f, title))
@@ -176,6 +195,8 @@ def render(run: dict) -> str:
 
     body.append("<h2>Summary</h2>")
     rows = [
+        [f"held-out mAP; micro F1 at {summary.get('threshold')}", _pair(summary.get("val_map"), summary.get("val_f1"))],
+        ["held-out precision; recall (micro)", _pair(summary.get("val_precision"), summary.get("val_recall"))],
         ["held-out accuracy (top-1)", summary.get("val_accuracy")],
         [f"held-out top-{summary.get('val_top_k') or 5}", summary.get("val_top5")],
         ["held-out loss", summary.get("val_loss")],
@@ -197,6 +218,8 @@ def render(run: dict) -> str:
             [f"base learning rate, one worker{' (--base-lr auto: lr-find)' if found else ''}", summary["base_lr"]]
         )
     body.append(table(["", ""], [r for r in rows if r[1] is not None]))
+    if summary.get("val_per_class"):  # a multi-label run: each class's counts at the threshold and its AP
+        body += _multi_label_section(summary["val_per_class"])
 
     body.append("<h2>Training curves</h2>")
     if run["rows"]:
@@ -242,6 +265,8 @@ def render(run: dict) -> str:
     body.append("<h2>Throughput and metrics per epoch</h2>")
     if run["rows"]:
         keys = ["epoch", "images_per_sec", "epoch_seconds", "lr", "loss", "accuracy", "val_loss", "val_accuracy"]
+        if "val_map" in run["rows"][0]:  # a multi-label run's
+            keys = [*keys[:4], "loss", "f1", "val_loss", "val_map", "val_f1"]
         per_epoch = [[_number(r.get(k)) for k in keys] for r in run["rows"]]
         body.append(table(keys, per_epoch, text=()))
         body.append(

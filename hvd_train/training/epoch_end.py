@@ -19,6 +19,7 @@ from hvd_train.log import get_logger
 from hvd_train.model.network import Net
 from hvd_train.results.evaluation import EvalResult, evaluate_sharded
 from hvd_train.results.evaluation import evaluate as score
+from hvd_train.results.multilabel import MultiLabelResult, evaluate_multi
 from hvd_train.training.job import History, Job
 
 log = get_logger("train")
@@ -98,7 +99,10 @@ def close_epoch(
     if job.val is not None:
         with net.averaged():  # --ema: the averaged weights are the ones scored (and saved)
             result = evaluate_held_out(job, ctx, net, batch_size, history, f"val.{epoch}", held_out)
-        logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
+        if isinstance(result, MultiLabelResult):
+            logs.update(val_loss=result.loss, val_map=result.map, val_f1=result.f1)
+        else:
+            logs.update(val_loss=result.loss, val_accuracy=result.accuracy, val_top5=result.top5)
     history.epochs[epoch] = logs
     return logs
 
@@ -109,7 +113,9 @@ def evaluate_held_out(
     """Scores every held-out image once (all ranks take part); kept as ``history.last_eval``."""
     inputs = (held_out or HeldOut(job)).input(ctx, batch_size)
     with input_errors(ctx.rank, inputs.reader):
-        if hasattr(net, "score_batch"):  # --head-parallel: scored by each group over all classes
+        if getattr(job.val, "label_sets", None) is not None:  # a multi-label set: exact counts and average precision
+            result = evaluate_multi(net.model, inputs.dataset, ctx, job.cfg.data.threshold, name=name)
+        elif hasattr(net, "score_batch"):  # --head-parallel: scored by each group over all classes
             result = evaluate_sharded(net, inputs.dataset, len(job.classes), ctx, name=name)
         else:
             result = score(net.model, inputs.dataset, len(job.classes), ctx, name=name)

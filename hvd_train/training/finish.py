@@ -26,12 +26,13 @@ from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 from hvd_train.log import get_logger
 from hvd_train.model import compute, kerases
-from hvd_train.model.catalogue import build_model
+from hvd_train.model.catalogue import build_model, head_activation
 from hvd_train.model.network import Net
 from hvd_train.model.sharded_net import features_view, stage_head
 from hvd_train.results import plots
 from hvd_train.results.evaluation import EvalResult
 from hvd_train.results.inference import CONFIG, FEATURES, LABELS, MODEL, model_files
+from hvd_train.results.multilabel import MultiLabelResult, multi_label_summary
 from hvd_train.training import early_stop, epoch_end, s3_mirror, sharded_stages
 from hvd_train.training.job import History, Job, median_rate
 from hvd_train.training.state import TrainState
@@ -116,8 +117,20 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     finally:
         if head is not None:
             shutil.rmtree(head, ignore_errors=True)
+    multi = isinstance(final, MultiLabelResult)
     if ctx.is_root:
-        if final is not None:
+        if multi:
+            log.info(
+                "held-out mAP %.4f, F1 %.4f at %.2f on %d images (scored in %.1f s); %.1f images/s on %d worker(s)",
+                final.map,
+                final.f1,
+                final.threshold,
+                final.count,
+                final.seconds,
+                summary["images_per_sec"] or 0,
+                ctx.size,
+            )
+        elif final is not None:
             log.info(
                 "held-out accuracy %.4f top-1, %.4f top-%d on %d images (scored in %.1f s); "
                 "%.1f images/s on %d worker(s)",
@@ -152,7 +165,9 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     cfg = job.cfg
 
     def build():
-        return build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+        return build_model(
+            cfg.model, len(job.classes), job.image_size, load_weights=False, activation=head_activation(cfg)
+        )
 
     form, name = "whole", MODEL
     if head is not None:
@@ -173,7 +188,10 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     else:
         # The saved model computes in float32: inference never meets float16.
         export = compute.float32_copy(
-            net.model, lambda: build_model(cfg.model, len(job.classes), job.image_size, load_weights=False)
+            net.model,
+            lambda: build_model(
+                cfg.model, len(job.classes), job.image_size, load_weights=False, activation=head_activation(cfg)
+            ),
         )
     # The model written beside its place first, then what describes it, then the model moved into
     # place: the three change together, within a rename of each other.
@@ -183,7 +201,7 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
     summary["saved_model"] = form
     summary["model_files"] = model_files(cfg.run.output)
     files.write_json(os.path.join(cfg.run.output, "summary.json"), summary)
-    if final is not None:
+    if final is not None and not isinstance(final, MultiLabelResult):
         path = os.path.join(cfg.run.output, plots.CONFUSION)
         plots.draw(
             path, lambda: plots.confusion(final.confusion, job.classes, path, f"held-out ({final.count} images)")
@@ -191,6 +209,8 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
 
 
 def _summary(job, ctx, state, final: EvalResult | None, history: History, digests, identical) -> dict:
+    if isinstance(final, MultiLabelResult):
+        return {**_summary(job, ctx, state, None, history, digests, identical), **multi_label_summary(final, job)}
     cfg = job.cfg
     rate, first = median_rate(history)
     return {

@@ -116,14 +116,14 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     from hvd_train.data.pipeline import train_input
     from hvd_train.data.sharding import Segment
     from hvd_train.model import kerases, optimizers
-    from hvd_train.model.catalogue import HEAD_LAYER, build_model
+    from hvd_train.model.catalogue import HEAD_LAYER, build_model, head_activation
 
     cfg = job.cfg
     if not (0 < start < end) or steps < 10:
         raise UserError(f"the sweep needs 0 < start < end and at least 10 steps; got {start:g}..{end:g}, {steps}.")
     if cfg.run.deterministic:  # the same initial weights, batches and augmentation every time
         keras.utils.set_random_seed(cfg.run.seed)
-    model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True)
+    model = build_model(cfg.model, len(job.classes), job.image_size, load_weights=True, activation=head_activation(cfg))
     # The run's optimizer (its weight decay, and what it leaves undecayed); no --ema, which changes no step.
     optimizer = optimizers.make(cfg.optim, start, ema=False, variables=model.trainable_variables)
     head = {kerases.key(v) for v in model.get_layer(HEAD_LAYER).trainable_variables}

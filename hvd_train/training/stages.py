@@ -31,7 +31,7 @@ from hvd_train.distributed.groups import shard_range
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 from hvd_train.model import compute
-from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, resolve_bn
+from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, head_activation, resolve_bn
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.sharded_net import ShardedNet
@@ -169,7 +169,7 @@ def build_net(job: Job, ctx: Context, collective: bool = True) -> Net:
         # Rank 0 alone loads (maybe downloads) the weights; the others get them by
         # broadcast, so a download failure must stop every rank, not just rank 0.
         load = ctx.is_root and collective
-        return build_model(cfg.model, outputs, job.image_size, load_weights=load)
+        return build_model(cfg.model, outputs, job.image_size, load_weights=load, activation=head_activation(cfg))
 
     with Ticker(log, f"building {job.spec.name}"):
         base = ctx.agree(build, name="build_model") if collective else build()

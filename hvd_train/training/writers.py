@@ -46,6 +46,8 @@ METRIC_COLUMNS = (
     "images_per_sec",
     "epoch_seconds",
 )
+# A multi-label run's (its accuracy columns stay empty): after the others, only when a run has them.
+MULTI_LABEL_COLUMNS = ("f1", "val_map", "val_f1")
 
 
 class MetricsCSV:
@@ -64,9 +66,10 @@ class MetricsCSV:
         """The rows of the file with the row of ``epoch`` (1-based), and without rows of later epochs."""
         rows = [r for r in self.rows() if r.get("epoch", "").isdigit() and int(r["epoch"]) < epoch]
         row = {"epoch": str(epoch)}
-        for key in METRIC_COLUMNS[1:]:
+        for key in (*METRIC_COLUMNS[1:], *MULTI_LABEL_COLUMNS):
             value = logs.get(key)
-            row[key] = "" if value is None else f"{float(value):.6g}"
+            if value is not None or key in METRIC_COLUMNS:
+                row[key] = "" if value is None else f"{float(value):.6g}"
         return [*rows, row]
 
     def write(self, epoch: int, logs: dict) -> None:
@@ -76,7 +79,8 @@ class MetricsCSV:
     def save(self, rows: list[dict]) -> None:
         """Replaces the file with ``rows`` (atomically)."""
         table = io.StringIO()
-        writer = csv.DictWriter(table, fieldnames=METRIC_COLUMNS)
+        extra = [key for key in MULTI_LABEL_COLUMNS if any(row.get(key) for row in rows)]
+        writer = csv.DictWriter(table, fieldnames=[*METRIC_COLUMNS, *extra], restval="")
         writer.writeheader()
         writer.writerows(rows)
         files.write_text(self.path, table.getvalue())
@@ -175,7 +179,7 @@ class Progress:
         shown = " - ".join(
             f"{k}: {v:.4f}"
             for k, v in logs.items()
-            if k in ("loss", "accuracy", "val_loss", "val_accuracy", "val_top5")
+            if k in ("loss", "accuracy", "f1", "val_loss", "val_accuracy", "val_top5", "val_map", "val_f1")
         )
         print(f"{steps}/{steps} - {time.perf_counter() - self._started:.0f}s - {shown}", flush=True)
 
