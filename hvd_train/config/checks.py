@@ -250,6 +250,12 @@ def _multi_label(cfg: TrainConfig) -> None:
         ("--head-parallel", h.head_parallel, h.head_parallel, "the sharded head normalises a softmax across shards"),
         ("--class-weights", o.class_weights, o.class_weights == "auto", "its weights are one class a row"),
         (
+            "--label-smoothing",
+            o.label_smoothing,
+            o.label_smoothing,
+            "binary cross-entropy would smooth every class's target towards 0.5, not the softmax's 1/classes",
+        ),
+        (
             "--early-stop-metric",
             cfg.run.early_stop_metric,
             bool(cfg.run.early_stop) and cfg.run.early_stop_metric in ("val_accuracy", "val_top5"),

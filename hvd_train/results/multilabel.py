@@ -237,4 +237,5 @@ def multi_label_summary(result: MultiLabelResult, job) -> dict:
         "val_precision": tp / (tp + fp) if tp + fp else None,
         "val_recall": tp / (tp + fn) if tp + fn else None,
         "val_per_class": per_class,
+        "val_seconds": round(result.seconds, 3),
     }

@@ -128,7 +128,10 @@ def run(job, *, steps: int = STEPS, start: float = START, end: float = END, thre
     optimizer = optimizers.make(cfg.optim, start, ema=False, variables=model.trainable_variables)
     head = {kerases.key(v) for v in model.get_layer(HEAD_LAYER).trainable_variables}
     mult = cfg.optim.head_lr_mult
-    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    # A multi-label set's batches are multi-hot rows on a sigmoid head: the run's binary cross-entropy.
+    loss_fn = (
+        keras.losses.BinaryCrossentropy() if cfg.data.multi_label else keras.losses.SparseCategoricalCrossentropy()
+    )
 
     @tf.function(autograph=False)  # as the training step (see model.network.Net)
     def step(images, labels, ids):
