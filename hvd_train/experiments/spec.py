@@ -43,11 +43,19 @@ PRUNERS = ("median", "halving", "none")
 LAUNCHERS = launchers.SWEEP_LAUNCHERS
 SPACES = ("choices", "uniform", "log_uniform", "int")
 # The numbers of summary.json a sweep may optimize (training/finish.py writes them at a trial's end).
-OBJECTIVES = ("val_accuracy", "val_loss", "val_top5", "images_per_sec", "images_per_sec_first_epoch")
+OBJECTIVES = (
+    "val_accuracy",
+    "val_loss",
+    "val_top5",
+    "val_map",  # a multi-label run's
+    "val_f1",
+    "images_per_sec",
+    "images_per_sec_first_epoch",
+)
 # Up to this many combinations of the spaces' corners, every one is checked (see _corners).
 ALL_CORNERS = 64
 # Those metrics.csv also has after each epoch, which a trial reports for pruning.
-EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "images_per_sec")
+EPOCH_METRICS = ("val_accuracy", "val_loss", "val_top5", "val_map", "val_f1", "images_per_sec")
 
 
 @dataclass(frozen=True)

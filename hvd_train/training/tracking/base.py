@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import yaml
 
 # The numbers of summary.json a tracker takes as the run's final results.
-FINAL = ("val_accuracy", "val_top5", "val_loss", "images_per_sec", "images_per_sec_first_epoch")
+FINAL = ("val_accuracy", "val_top5", "val_loss", "val_map", "val_f1", "images_per_sec", "images_per_sec_first_epoch")
 # The run's files a tracker takes at its end, where they are there.
 ARTEFACTS = (
     "curves.png",
