@@ -1,6 +1,8 @@
 """Multi-label held-out scores: the same on any number of ranks as on the images all together, and as defined."""
 
+import csv
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,11 +107,14 @@ def test_the_threshold_is_a_probability_compared_on_the_logits():
 
 
 @pytest.mark.multiprocess  # a job of two ranks
-def test_a_multi_label_run_trains_and_its_held_out_scores_are_those_of_its_saved_model(demo_small, tmp_path):
+def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_same_decisions(demo_small, tmp_path):
     """The demo's images, each labelled with its pattern and, for every other image, a tag: a sigmoid head trained
-    by two ranks; its summary's mAP, F1 and per-class counts are exactly those one process computes from the saved
-    model over the same held-out images; the options that do not apply, and the commands that do not read it yet,
-    are refused in one line."""
+    by two ranks. Its summary's mAP, F1 and per-class counts are exactly those one process computes from the saved
+    model over the same held-out images, and those `evaluate` gives on a CSV of them; `predict`'s labels over the
+    threshold, counted against the truth, give evaluate's counts; the SavedModel's `over_threshold` is predict's,
+    and its check holds its decisions alike; what does not apply is refused in one line."""
+    import tensorflow as tf
+
     from hvd_train.compat import keras
     from hvd_train.data.folder import split_per_class
     from hvd_train.data.pipeline import eval_dataset
@@ -122,19 +127,21 @@ def test_a_multi_label_run_trains_and_its_held_out_scores_are_those_of_its_saved
     images = sorted(p.relative_to(demo_small).as_posix() for p in demo_small.rglob("*.png"))
     rows = [f"{rel},{rel.split('/')[0]}{'|tagged' if i % 2 else ''}" for i, rel in enumerate(images)]
     (tmp_path / "multi.csv").write_text("path,labels\n" + "\n".join(rows) + "\n")
-    csv = str(tmp_path / "multi.csv")
+    table = str(tmp_path / "multi.csv")
     out = tmp_path / "run"
     options = [
         *(*TINY, "--multi-label", "--label-separator", "|", "--threshold", "0.5", "--image-root", demo_small),
         *("--val-split", "0.2", "--epochs", "2", "--seed", "7", "--early-stop", "3", "--early-stop-metric", "val_map"),
     ]
-    proc = run([*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "train", "--data", csv, "--output", out, *options])
+    proc = run(
+        [*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "train", "--data", table, "--output", out, *options]
+    )
     assert proc.returncode == 0, output_of(proc)
     summary = read_json(out / "summary.json")
     assert summary["task"] == "multi_label" and summary["val_accuracy"] is None
     # One process, the saved model, the same held-out images (the split is the seed's).
     multi = TableOptions(image_root=str(demo_small), multi_label=True, label_separator="|")
-    listed = read_table(csv, "--data", options=multi)
+    listed = read_table(table, "--data", options=multi)
     held = split_per_class(listed, 0.2, 7)[1]
     model = keras.models.load_model(out / "model.keras", compile=False)
     preprocess = get_spec(TINY_MODEL).preprocess_input()
@@ -143,16 +150,84 @@ def test_a_multi_label_run_trains_and_its_held_out_scores_are_those_of_its_saved
     assert summary["val_images"] == mine.count == len(held)
     assert (summary["val_map"], summary["val_f1"]) == (mine.map, mine.f1)
     for i, name in enumerate(listed.classes):
-        assert (summary["val_per_class"][name]["tp"], summary["val_per_class"][name]["fn"]) == (
+        found = summary["val_per_class"][name]
+        assert (found["tp"], found["fp"], found["fn"]) == (
             int(mine.counts.tp[i]),
+            int(mine.counts.fp[i]),
             int(mine.counts.fn[i]),
         )
-    refused = run_at_once(
-        [*HVD_TRAIN, "train", "--data", csv, "--output", tmp_path / "x", *options, "--mixup", "0.2"],
-        [*HVD_TRAIN, "predict", "--model-dir", out, str(demo_small / images[0])],
+    # The held-out rows as a CSV of their own: evaluate, predict, and export's check.
+    truth = {row.split(",")[0]: set(row.split(",")[1].split("|")) for row in rows}
+    held_rows = [str(p.relative_to(demo_small)) for p in map(Path, held.paths)]
+    (tmp_path / "held.csv").write_text("path,labels\n" + "".join(f"{r},{'|'.join(truth[r])}\n" for r in held_rows))
+    root, at = ("--image-root", demo_small), ("--threshold", "0.45")  # another decision than the run's
+    lower = multilabel.evaluate_multi(model, data.dataset, Context(), 0.45)
+    done = run_at_once(
+        [*HVD_TRAIN, "evaluate", "--model-dir", out, "--data", tmp_path / "held.csv", *root, *at, "--batch-size", "5"],
+        [*HVD_TRAIN, "predict", "--model-dir", out, tmp_path / "held.csv", *root, *at, "--output", tmp_path / "p.csv"],
+        [
+            *HVD_TRAIN,
+            "export",
+            out,
+            "--format",
+            "savedmodel",
+            "--check",
+            "--check-data",
+            tmp_path / "held.csv",
+            *root,
+            "--output",
+            tmp_path / "e",
+        ],
+        [*HVD_TRAIN, "train", "--data", table, "--output", tmp_path / "x", *options, "--mixup", "0.2"],
+        [*HVD_TRAIN, "predict", "--model-dir", out, tmp_path / "held.csv", *root, "--threshold", "1.5"],
     )
-    assert "with --multi-label mixup blends one label a row" in refused[0].stderr, output_of(refused[0])
-    assert "is a multi-label run, which evaluate, predict and export do not read yet" in refused[1].stderr
+    for proc in done[:3]:
+        assert proc.returncode == 0, output_of(proc)
+    scored = read_json(out / "evaluation.json")
+    assert (scored["task"], scored["images"], scored["threshold"]) == ("multi_label", len(held), 0.45)
+    assert (scored["map"], scored["f1"]) == (lower.map, lower.f1) and lower.map == mine.map
+    assert {n: [c["tp"], c["fp"], c["fn"]] for n, c in scored["per_class"].items()} == {
+        name: [int(lower.counts.tp[i]), int(lower.counts.fp[i]), int(lower.counts.fn[i])]
+        for i, name in enumerate(listed.classes)
+    }
+    assert f"mAP        {mine.map:.4f}" in done[0].stdout
+    # predict: every label over the threshold, the likeliest first, its probability beside it.
+    with open(tmp_path / "p.csv", newline="") as f:
+        predicted = list(csv.DictReader(f))
+    assert [r["path"] for r in predicted] == [str(demo_small / r) for r in held_rows]
+    counted = {name: [0, 0, 0] for name in listed.classes}
+    decisions = []
+    for row, rel in zip(predicted, held_rows):
+        labels = [x for x in row["labels"].split("|") if x]
+        probs = [float(x) for x in row["scores"].split("|") if x]
+        assert probs == sorted(probs, reverse=True) and all(p >= 0.45 for p in probs) and len(probs) == len(labels)
+        given = dict(zip(labels, probs))  # the SavedModel decides at the run's threshold, 0.5
+        decisions.append([given.get(name, 0.0) >= 0.5 for name in listed.classes])
+        for name in listed.classes:
+            said, true = name in labels, name in truth[rel]
+            counted[name][0] += said and true
+            counted[name][1] += said and not true
+            counted[name][2] += true and not said
+    assert {n: [c["tp"], c["fp"], c["fn"]] for n, c in scored["per_class"].items()} == counted
+    # export: the SavedModel's decisions are predict's, and its check held them alike.
+    manifest = read_json(tmp_path / "e" / "manifest.json")
+    parity = manifest["formats"][0]["parity"]
+    assert (manifest["input"]["task"], parity["passed"], parity["decision_agreement"]) == ("multi_label", True, 1.0)
+    served = tf.saved_model.load(str(tmp_path / "e" / "saved_model" / "1")).signatures["serving_default"]
+    contents = tf.constant([(demo_small / r).read_bytes() for r in held_rows])
+    assert served(image_bytes=contents)["over_threshold"].numpy().tolist() == decisions
+    assert "with --multi-label mixup blends one label a row" in done[3].stderr, output_of(done[3])
+    assert "--threshold 1.5 is not a probability in (0, 1)" in done[4].stderr, output_of(done[4])
+
+
+def test_a_threshold_is_refused_for_a_single_label_run_and_taken_from_the_run_when_not_given():
+    from hvd_train.errors import UserError
+    from hvd_train.results.inference import Trained
+
+    multi = Trained(None, ["a", "b"], 32, 0.875, None, data={"multi_label": True, "threshold": 0.3})
+    assert (multi.decision(None), multi.decision(0.7)) == (0.3, 0.7)
+    with pytest.raises(UserError, match="--threshold 0.4 applies to multi-label runs, and this one is not"):
+        Trained(None, ["a", "b"], 32, 0.875, None, data={"threshold": 0.5}).decision(0.4)
 
 
 @pytest.mark.parametrize(

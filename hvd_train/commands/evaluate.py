@@ -43,6 +43,12 @@ def add_parser(subparsers) -> None:
         help="a TFDS folder's split or a CSV's rows to score (default: validation, else test)",
     )
     parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="a multi-label run's decision: the probability a label needs (default: the run's)",
+    )
+    parser.add_argument(
         "--report",
         help="JSON file to write (default: MODEL_DIR/evaluation.json); confusion.png is drawn beside it",
     )
@@ -57,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     from hvd_train.data.sources import evaluation_set
     from hvd_train.data.storage import S3Options
     from hvd_train.data.streams import input_errors
+    from hvd_train.data.table import is_table
     from hvd_train.distributed import start
     from hvd_train.errors import UserError
     from hvd_train.model.sharded_net import ShardedScorer
     from hvd_train.results.evaluation import evaluate, evaluate_sharded
     from hvd_train.results.inference import load_trained
+    from hvd_train.results.multilabel import evaluate_multi
     from hvd_train.training import s3_mirror
 
     table = dataclasses.replace(csv_options(args, args.data), split=args.data_split)  # refused before it starts
@@ -76,6 +84,17 @@ def run(args: argparse.Namespace) -> int:
             f"{args.model_dir} has {len(trained.classes)} classes, fewer than the {ctx.size} processes that would "
             "shard its head: evaluate it with fewer processes.",
             agreed=True,
+        )
+    threshold = trained.decision(args.threshold, agreed=True)
+    if trained.multi_label:  # its CSV's label column holds sets of labels, split as the run split them
+        if not is_table(args.data):
+            raise UserError(
+                f"{args.model_dir} is a multi-label run, scored on a CSV of labels, and --data {args.data} is none; "
+                "give one (its labels split as the run's --label-separator).",
+                agreed=True,
+            )
+        table = dataclasses.replace(
+            table, multi_label=True, label_separator=str(trained.data.get("label_separator") or "")
         )
     # Other tools' records are read as the run read its own (the same labels, the same names), but for what is given.
     records = dataclasses.replace(record_options(args, trained.data, trained.classes), split=args.data_split)
@@ -98,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
         alpha_background=args.alpha_background or trained.alpha_background,
     )
     with input_errors(ctx.rank, held_out.reader, during="evaluation"):
-        if trained.head is None:
+        if trained.multi_label:  # exact counts at the threshold and average precision
+            result = evaluate_multi(trained.model, held_out.dataset, ctx, threshold, name="evaluate")
+        elif trained.head is None:
             result = evaluate(trained.model, held_out.dataset, len(trained.classes), ctx, name="evaluate")
         else:
             scorer = ShardedScorer(trained.model, trained.head, len(trained.classes), ctx.rank, ctx.size)
@@ -134,6 +155,9 @@ def _report(args, ctx, trained, images, result, s3) -> None:
     skipped += [{"path": p, "reason": r, "found": "evaluation"} for p, r in zip(met, why_undecodable(met, s3))]
     for item in skipped[len(skipped) - len(met) :]:
         get_logger().warning("skipped %s (cannot be decoded, not scored): %s", item["path"], item["reason"])
+    if trained.multi_label:
+        _report_multi(args, ctx, trained, result, skipped)
+        return
     per_class = result.per_class_accuracy()
     report = {
         "data": args.data,
@@ -183,3 +207,49 @@ def _report(args, ctx, trained, images, result, s3) -> None:
         picture, lambda: plots.confusion(result.confusion, trained.classes, picture, f"evaluate {args.data}")
     )
     get_logger().info("wrote %s%s", path, f" and {picture}" if drawn else "")
+
+
+def _report_multi(args, ctx, trained, result, skipped: list[dict]) -> None:
+    """Rank 0: a multi-label run's ``evaluation.json`` and printed scores (counts, precision, recall, F1 and
+    average precision per class; the worst ``SHOWN`` by average precision when there are many classes)."""
+    from hvd_train.errors import UserError
+    from hvd_train.log import get_logger
+    from hvd_train.results import plots
+    from hvd_train.results.multilabel import scores
+
+    found = scores(result, trained.classes)
+    report = {
+        "data": args.data,
+        "task": "multi_label",
+        **found,
+        "classes": trained.classes,
+        "world_size": ctx.size,
+        "skipped_images": skipped,
+    }
+    path = args.report or os.path.join(args.model_dir, "evaluation.json")
+    try:
+        files.write_json(path, report)
+    except OSError as e:
+        raise UserError(
+            f"cannot write {path} ({e.strerror or e}); pass --report with a folder you can write."
+        ) from None
+
+    def shown(x) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    print(f"images     {found['images']}")
+    print(f"mAP        {shown(found['map'])}")
+    print(f"F1         {shown(found['f1'])} (micro, at {found['threshold']:g})")
+    print(f"precision  {shown(found['precision'])}")
+    print(f"recall     {shown(found['recall'])}")
+    print(f"loss       {found['loss']:.4f}")
+    rows = list(found["per_class"].items())
+    if len(rows) > plots.MANY_CLASSES:  # the worst; every class is in the report
+        rows = sorted((r for r in rows if r[1]["ap"] is not None), key=lambda r: r[1]["ap"])[:SHOWN]
+        print(f"the {len(rows)} classes of lowest average precision (all {len(trained.classes)} in {path}):")
+    width = max(len(c) for c in trained.classes)
+    print(f"  {'class':<{width}}  positives  precision  recall     F1         AP")
+    for name, c in rows:
+        numbers = "  ".join(f"{shown(c[k]):<9}" for k in ("precision", "recall", "f1", "ap"))
+        print(f"  {name:<{width}}  {c['positives']:<9}  {numbers}".rstrip())
+    get_logger().info("wrote %s", path)

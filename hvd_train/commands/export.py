@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
             f"  {result['name']:<16} top-1 agreement {result['top1_agreement']:.2%}, "
             f"max |Δp| {result['max_abs_diff']:.2e}"
         )
+        if "decision_agreement" in result:  # a multi-label run's
+            line += f", decisions {result['decision_agreement']:.2%} alike"
         if "accuracy" in result:
             line += f", accuracy {result['accuracy']:.4f} (predict {result['predict_accuracy']:.4f})"
         if "serving_uint8" in result:
@@ -252,6 +254,8 @@ def _calibration(args, data):
 
 
 def _check_images(args, data, trained, ctx):
+    import dataclasses
+
     from hvd_train.data.sources import checked, open_data
     from hvd_train.errors import UserError
     from hvd_train.results.export.parity import Images
@@ -261,7 +265,11 @@ def _check_images(args, data, trained, ctx):
         from hvd_train.config import DataConfig
 
         s3 = DataConfig(s3_endpoint=args.s3_endpoint).s3_options()
-        images = open_data(args.check_data, "--check-data", s3, classes=trained.classes, table=args.table)
+        table = args.table
+        if trained.multi_label:  # its labels split as the run's
+            separator = str(trained.data.get("label_separator") or "")
+            table = dataclasses.replace(table, multi_label=True, label_separator=separator)
+        images = open_data(args.check_data, "--check-data", s3, classes=trained.classes, table=table)
         source = args.check_data
     else:
         _, images = data
@@ -273,4 +281,6 @@ def _check_images(args, data, trained, ctx):
     paths = [str(p) for p in images.paths]
     if not paths:
         raise UserError(f"no readable images to check on in {source}; {fix}")
-    return Images(paths, [int(x) for x in images.labels], source)
+    # A multi-label set's labels are sets: its check is on decisions, not on one class an image.
+    labels = None if trained.multi_label else [int(x) for x in images.labels]
+    return Images(paths, labels, source)

@@ -15,12 +15,19 @@ def add_parser(subparsers) -> None:
         "predict",
         help="predict the class of images; writes CSV path,label,probability",
         description="Predict the class of each image given (files, folders searched recursively, or CSVs whose "
-        "rows name images, as --data takes them). "
+        "rows name images, as --data takes them); of a multi-label run, every label whose probability reaches "
+        "the threshold (CSV path,labels,scores). "
         "Under horovodrun the images are split among ranks; rank 0 writes the CSV in input order.",
     )
     add_trained_model_arguments(parser)
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files, folders, or CSVs naming images")
     parser.add_argument("--output", default="-", help="CSV file to write (default: standard output)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="a multi-label run's decision: the probability a label needs (default: the run's)",
+    )
     add_csv_arguments(parser, *CSV_PATHS)
     parser.set_defaults(run=run)
 
@@ -67,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     args.model_dir = ctx.agree(lambda: s3_mirror.open_run(args.model_dir, s3)[0], name="open_run")
     files = ctx.on_root(lambda: expand(args.paths, table), name="predict_list")
     trained = ctx.agree(lambda: load_trained(args.model_dir), name="load_model")
+    threshold = trained.decision(args.threshold, agreed=True)
     # Every image decoded before predicting: a few files, and each must get an answer or a reason.
     images = ImageSet(files, [0] * len(files), ["unlabelled"])
     readable = checked(images, "PATH", args.on_bad_image, ctx, check="full")
@@ -84,10 +92,15 @@ def run(args: argparse.Namespace) -> int:
             ),
             verbose=0,
         )
-        rows += [answer(path, p, trained.classes) for path, p in zip(mine, probs)]
+        if trained.multi_label:
+            separator = str(trained.data.get("label_separator") or " ")
+            rows += [answers(path, p, trained.classes, threshold, separator) for path, p in zip(mine, probs)]
+        else:
+            rows += [answer(path, p, trained.classes) for path, p in zip(mine, probs)]
     gathered = ctx.allgather_object(rows, name="predict_rows")
+    header = ["path", "labels", "scores"] if trained.multi_label else ["path", "label", "probability"]
     # Horovod: the other ranks wait for rank 0's CSV, so that every rank ends together.
-    ctx.on_root(lambda: _write_rows(args, files, gathered), name="predict_write")
+    ctx.on_root(lambda: _write_rows(args, files, gathered, header), name="predict_write")
     return 0
 
 
@@ -102,7 +115,22 @@ def answer(path: str, probabilities, classes: list[str]) -> tuple[str, str, floa
     return path, classes[best], float(probabilities[best])
 
 
-def _write_rows(args, files: list[str], gathered: list) -> None:
+def answers(path: str, probabilities, classes: list[str], threshold: float, separator: str) -> tuple[str, str, str]:
+    """``(path, labels, scores)`` of one image of a multi-label run: every class whose probability reaches
+    ``threshold``, the likeliest first, joined by the run's ``separator`` (so the CSV reads back as a multi-label
+    set), with their probabilities in the same order; none (and nan) where its scores are not finite."""
+    import math
+
+    import numpy as np
+
+    p = np.asarray(probabilities, np.float64)
+    if not np.isfinite(p).all():
+        return path, "", str(math.nan)
+    over = sorted(np.flatnonzero(p >= threshold).tolist(), key=lambda c: (-p[c], c))
+    return path, separator.join(classes[c] for c in over), separator.join(f"{p[c]:.6f}" for c in over)
+
+
+def _write_rows(args, files: list[str], gathered: list, header: list[str]) -> None:
     """Rank 0: one CSV row per readable image, in the order the paths were given."""
     from hvd_train.errors import UserError
 
@@ -122,11 +150,11 @@ def _write_rows(args, files: list[str], gathered: list) -> None:
         sys.stdout.reconfigure(errors="surrogateescape")
     try:
         writer = csv.writer(out or sys.stdout)
-        writer.writerow(["path", "label", "probability"])
+        writer.writerow(header)
         for path in files:
             if path in by_path:
                 _, label, prob = by_path[path]
-                writer.writerow([path, label, f"{prob:.6f}"])
+                writer.writerow([path, label, prob if isinstance(prob, str) else f"{prob:.6f}"])
         if out is None:
             sys.stdout.flush()  # a reader gone (| head) is met here, not in the interpreter's exit
     finally:

@@ -39,7 +39,8 @@ class Trained:
     """A trained classifier and what it needs to score images.
 
     Attributes:
-        model: the Keras model (outputs are class probabilities).
+        model: the Keras model (outputs are class probabilities: a softmax, or for a multi-label run a sigmoid
+            per class).
         classes: class names, in output order.
         image_size: side of the square input.
         crop_fraction: the evaluation center crop used in training.
@@ -59,6 +60,31 @@ class Trained:
     alpha_background: str = "white"
     head: str | None = None
     data: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether the run trained a multi-label set: a sigmoid per class, not a softmax."""
+        return bool(self.data.get("multi_label"))
+
+    @property
+    def threshold(self) -> float:
+        """A multi-label run's decision: the probability a label needs."""
+        return float(self.data.get("threshold", 0.5))
+
+    def decision(self, given: float | None, flag: str = "--threshold", agreed: bool = False) -> float:
+        """The threshold ``given`` on the command line, else the run's; refused for a single-label run
+        (``agreed``: every rank refuses it alike).
+
+        Raises:
+            UserError: a threshold given for a run that is not multi-label, or not a probability in (0, 1).
+        """
+        if given is None:
+            return self.threshold
+        if not self.multi_label:
+            raise UserError(f"{flag} {given:g} applies to multi-label runs, and this one is not; leave it out.", agreed)
+        if not 0.0 < given < 1.0:
+            raise UserError(f"{flag} {given:g} is not a probability in (0, 1); give one, e.g. 0.5.", agreed)
+        return float(given)
 
 
 def load_trained(model_dir: str, sharded: bool = False) -> Trained:
@@ -82,11 +108,6 @@ def load_trained(model_dir: str, sharded: bool = False) -> Trained:
         classes = json.load(f)
     with open(paths[CONFIG], encoding="utf-8") as f:
         run_config = yaml.safe_load(f)
-    if (run_config.get("data") or {}).get("multi_label"):
-        raise UserError(
-            f"{model_dir} is a multi-label run, which evaluate, predict and export do not read yet; its held-out "
-            f"scores are in its summary.json (val_map, val_f1, val_per_class)."
-        )
     _check_keras_major(paths[names[0]])
     try:
         model = keras.models.load_model(paths[names[0]], compile=False)

@@ -206,36 +206,43 @@ def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") ->
     )
 
 
-def multi_label_summary(result: MultiLabelResult, job) -> dict:
-    """``summary.json``'s held-out fields of a multi-label run."""
+def scores(result: MultiLabelResult, classes: list[str]) -> dict:
+    """The held-out scores of ``result`` as JSON: counts and ratios per class (named by ``classes``), micro
+    precision, recall and F1 at the threshold, mAP and the loss; None where a ratio has no denominator."""
 
     def number(x) -> float | None:
         return None if np.isnan(x) else float(x)
 
     c = result.counts
+    precision, recall, f1 = c.precision(), c.recall(), c.f1()
     per_class = {
         name: {
             "positives": int(c.positives[i]),
             "tp": int(c.tp[i]),
             "fp": int(c.fp[i]),
             "fn": int(c.fn[i]),
-            "precision": number(c.precision()[i]),
-            "recall": number(c.recall()[i]),
-            "f1": number(c.f1()[i]),
+            "precision": number(precision[i]),
+            "recall": number(recall[i]),
+            "f1": number(f1[i]),
             "ap": number(result.ap[i]),
         }
-        for i, name in enumerate(job.classes)
+        for i, name in enumerate(classes)
     }
     tp, fp, fn = int(c.tp.sum()), int(c.fp.sum()), int(c.fn.sum())
     return {
-        "task": "multi_label",
         "threshold": result.threshold,
-        "val_loss": result.loss,
-        "val_images": result.count,
-        "val_map": number(result.map),
-        "val_f1": number(result.f1),
-        "val_precision": tp / (tp + fp) if tp + fp else None,
-        "val_recall": tp / (tp + fn) if tp + fn else None,
-        "val_per_class": per_class,
-        "val_seconds": round(result.seconds, 3),
+        "images": result.count,
+        "loss": result.loss,
+        "map": number(result.map),
+        "f1": number(result.f1),
+        "precision": tp / (tp + fp) if tp + fp else None,
+        "recall": tp / (tp + fn) if tp + fn else None,
+        "per_class": per_class,
+        "seconds": round(result.seconds, 3),
     }
+
+
+def multi_label_summary(result: MultiLabelResult, classes: list[str]) -> dict:
+    """``summary.json``'s held-out fields of a multi-label run: ``scores`` as ``val_*``, and the task."""
+    found = scores(result, classes)
+    return {"task": "multi_label", "threshold": found.pop("threshold"), **{f"val_{k}": v for k, v in found.items()}}

@@ -210,7 +210,8 @@ def _write_outputs(job: Job, net: Net, summary: dict, final: EvalResult | None, 
 
 def _summary(job, ctx, state, final: EvalResult | None, history: History, digests, identical) -> dict:
     if isinstance(final, MultiLabelResult):
-        return {**_summary(job, ctx, state, None, history, digests, identical), **multi_label_summary(final, job)}
+        scored = multi_label_summary(final, job.classes)
+        return {**_summary(job, ctx, state, None, history, digests, identical), **scored}
     cfg = job.cfg
     rate, first = median_rate(history)
     return {

@@ -57,7 +57,14 @@ def contract(trained: Trained, top_k: int) -> dict:
         f"{size}x{size} (bilinear, no antialiasing), RGB, transparent pixels composited over "
         f"{trained.alpha_background}"
     )
+    multi = (
+        f"; a multi-label run's: over_threshold bool [batch, classes], probabilities >= {trained.threshold:g}"
+        if trained.multi_label
+        else ""
+    )
     return {
+        "task": "multi_label" if trained.multi_label else "single_label",
+        **({"threshold": trained.threshold} if trained.multi_label else {}),
         "classes": len(trained.classes),
         "image_size": size,
         "crop_fraction": trained.crop_fraction,
@@ -67,12 +74,17 @@ def contract(trained: Trained, top_k: int) -> dict:
             "serving_default": "image_bytes: string [batch], encoded JPEG, PNG, GIF (first frame) or BMP files",
             "serving_uint8": "images: uint8 [batch, height, width, 3], RGB, any size (one size per batch)",
             "outputs": "probabilities float32 [batch, classes], top_k_scores float32 [batch, k], "
-            "top_k_indices int32 [batch, k], top_k_classes string [batch, k]",
+            f"top_k_indices int32 [batch, k], top_k_classes string [batch, k]{multi}",
             "inside": f"decoding, {cut}, the backbone's own scaling",
         },
         "tflite_onnx": {
             "input": f"image: uint8 [batch, {size}, {size}, 3], {cut}",
-            "output": "probabilities float32 [batch, classes], in the order of labels.json",
+            "output": "probabilities float32 [batch, classes], in the order of labels.json"
+            + (
+                f" (a sigmoid per class: a label applies where its probability is >= {trained.threshold:g})"
+                if trained.multi_label
+                else ""
+            ),
             "inside": "the backbone's own scaling",
         },
     }

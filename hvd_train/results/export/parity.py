@@ -26,8 +26,14 @@ class Images:
     source: str
 
 
-def parity(reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, quantize: str) -> dict:
-    """Agreement with predict, the largest probability difference, and whether the goals are met."""
+def parity(
+    reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, quantize: str, threshold: float | None = None
+) -> dict:
+    """Agreement with predict, the largest probability difference, and whether the goals are met.
+
+    A multi-label run's (``threshold``) goal is on its decisions: the share of (image, class) pairs on the same
+    side of the threshold as predict's; top-1 agreement is then only reported.
+    """
     agree = float(np.mean(probs.argmax(1) == reference.argmax(1)))
     delta = float(np.max(np.abs(probs - reference)))
     least, most = GOALS[quantize]
@@ -35,7 +41,12 @@ def parity(reference: np.ndarray, probs: np.ndarray, labels: list[int] | None, q
     failed = []
     if not (np.isfinite(probs).all() and np.isfinite(reference).all()):
         failed.append("non-finite probabilities (NaN or inf) from the file or from predict")
-    if agree < least:
+    if threshold is not None:
+        decided = float(np.mean((probs >= threshold) == (reference >= threshold)))
+        result["decision_agreement"] = decided
+        if decided < least:
+            failed.append(f"agreement of decisions at {threshold:g} {decided:.2%} < {least:.1%}")
+    elif agree < least:
         failed.append(f"top-1 agreement {agree:.2%} < {least:.1%}")
     if most is not None and delta > most:
         failed.append(f"max |Δp| {delta:.2e} > {most:.0e}")
@@ -62,6 +73,7 @@ def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) 
     same 8-bit pixels, and what the rounding alone moves is reported apart
     (``rounding_max_abs_diff``): it is the input's, not the file's.
     """
+    threshold = trained.threshold if trained.multi_label else None
     cut = pixels(trained, images.paths)
     uint8 = as_uint8(cut)
 
@@ -75,19 +87,19 @@ def check_folder(folder: str, trained: Trained, manifest: dict, images: Images) 
         path = os.path.join(folder, entry["path"])
         if entry["format"] == "savedmodel":
             saved = tf.saved_model.load(path)  # once, for both signatures
-            result = parity(reference, run_savedmodel(saved, images.paths), images.labels, entry["quantize"])
+            result = parity(reference, run_savedmodel(saved, images.paths), images.labels, entry["quantize"], threshold)
             # serving_uint8 gets the whole decoded pixels. Where predict decodes a large JPEG at a
             # reduced scale in the DCT, the signature shrinks the pixels by a box average: close, not
             # the same numbers, so it is held to the top class, as float16 files are.
             probs = run_savedmodel_uint8(saved, images.paths, trained.alpha_background)
-            pixels_in = result["serving_uint8"] = parity(reference, probs, images.labels, "float16")
+            pixels_in = result["serving_uint8"] = parity(reference, probs, images.labels, "float16", threshold)
             pixels_in["input"] = "uint8 pixels of the whole images"
             if not pixels_in["passed"]:
                 result["passed"] = False
                 result["failed"] += [f"serving_uint8: {why}" for why in pixels_in["failed"]]
         else:
             probs = runner(entry["format"], path)(uint8)
-            result = parity(reference_uint8, probs, images.labels, entry["quantize"])
+            result = parity(reference_uint8, probs, images.labels, entry["quantize"], threshold)
             result["input"] = "uint8 pixels of the images cut to size"
             result["rounding_max_abs_diff"] = rounding
         result["name"] = f"{entry['format']}{'' if entry['quantize'] == 'none' else ' ' + entry['quantize']}"

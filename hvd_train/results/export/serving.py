@@ -35,16 +35,20 @@ class Serving(tf.Module):
         size, k = trained.image_size, top_k
         window = center_window(trained.crop_fraction)
         preprocess, background = trained.preprocess, trained.alpha_background
+        threshold = trained.threshold if trained.multi_label else None
 
         def classify(pixels):  # float32 [B, size, size, 3] in 0..255, as predict's pipeline makes them
             probs = tf.cast(model(preprocess(pixels), training=False), tf.float32)
             scores, indices = tf.math.top_k(probs, k=k)
-            return {
+            out = {
                 "probabilities": probs,
                 "top_k_scores": scores,
                 "top_k_indices": indices,
                 "top_k_classes": tf.gather(self.class_names, indices),
             }
+            if threshold is not None:  # a multi-label run: each class's decision, as predict takes it
+                out["over_threshold"] = probs >= threshold
+            return out
 
         def load(contents):  # the same steps as predict's pipeline, with TensorFlow's own GIF decoder
             image = decode_window(contents, window, min_side=size, background=background, portable=True)
