@@ -180,6 +180,7 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
         ],
         [*HVD_TRAIN, "train", "--data", table, "--output", tmp_path / "x", *options, "--mixup", "0.2"],
         [*HVD_TRAIN, "predict", "--model-dir", out, tmp_path / "held.csv", *root, "--threshold", "1.5"],
+        [*HVD_TRAIN, "lr-find", "--data", table, "--output", tmp_path / "lr", *options, "--steps", "12"],
     )
     for proc in done[:3]:
         assert proc.returncode == 0, output_of(proc)
@@ -218,6 +219,12 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     assert served(image_bytes=contents)["over_threshold"].numpy().tolist() == decisions
     assert "with --multi-label mixup blends one label a row" in done[3].stderr, output_of(done[3])
     assert "--threshold 1.5 is not a probability in (0, 1)" in done[4].stderr, output_of(done[4])
+    # lr-find sweeps the run's loss: at the start every sigmoid says about 1/2, a binary cross-entropy of about ln 2
+    # (a softmax's would be about ln of the classes, and a sparse loss would refuse multi-hot rows).
+    assert done[5].returncode in (0, 2), output_of(done[5])
+    with open(tmp_path / "lr" / "lr_find.csv", newline="") as f:
+        first = float(next(csv.DictReader(f))["loss"])
+    assert abs(first - np.log(2)) < abs(first - np.log(len(listed.classes))) and abs(first - np.log(2)) < 0.2
 
 
 def test_a_threshold_is_refused_for_a_single_label_run_and_taken_from_the_run_when_not_given():
