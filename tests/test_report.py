@@ -159,3 +159,23 @@ def test_a_thousand_classes_give_the_most_confused_pairs_and_the_worst_classes(t
     assert "the 50 worst of 1000 classes" in page and "most confused pairs" in page
     assert page.count("<tr") < 150 and len(page) < 1_000_000
     assert page.index(classes[7]) < page.index(classes[3]), "worst class first"
+
+
+def test_a_multi_label_runs_curves_draw_its_f1_and_map_where_accuracy_would_be(tmp_path):
+    """Its accuracy columns are empty: the top-right panel draws the F1 and mAP columns instead of 'not measured'."""
+    scores = {"f1": ("0.3", "0.5"), "val_map": ("0.4", "0.6"), "val_f1": ("0.35", "0.55")}
+    rows = [
+        {"epoch": str(e + 1), "loss": "0.7", "val_loss": "0.6", "lr": "0.01", "accuracy": "", "val_accuracy": "",
+         **{k: v[e] for k, v in scores.items()}}
+        for e in range(2)
+    ]  # fmt: skip
+    plots.curves(rows, str(tmp_path / "multi.png"))
+    plots.curves([{k: v for k, v in r.items() if k not in scores} for r in rows], str(tmp_path / "none.png"))
+
+    def top_right(name):
+        with Image.open(tmp_path / name) as im:
+            width, height = im.size
+            return np.asarray(im.convert("RGB").crop((width // 2, 0, width, height // 2)))
+
+    drawn, empty = top_right("multi.png"), top_right("none.png")
+    assert (drawn != empty).any(axis=-1).mean() > 0.01  # lines, a legend and a title where there was one word

@@ -71,7 +71,8 @@ def _column(rows: Sequence[dict], key: str) -> np.ndarray:
 
 
 def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
-    """``curves.png``: loss, accuracy (training; held-out top-1 and top-5), learning rate and images/s per epoch.
+    """``curves.png``: loss, accuracy (training; held-out top-1 and top-5) or a multi-label run's F1 (training;
+    held-out) and mAP, learning rate and images/s per epoch.
 
     Args:
         rows: the rows of ``metrics.csv`` (strings, as ``csv.DictReader`` gives them).
@@ -81,14 +82,12 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
     if title:
         fig.suptitle(title)
     axes = fig.subplots(2, 2)
+    scores = (("accuracy", "training top-1"), ("val_accuracy", "held-out top-1"), ("val_top5", "held-out top-5"))
+    if any(row.get("val_map") for row in rows):  # a multi-label run's scores
+        scores = (("f1", "training F1 (micro)"), ("val_map", "held-out mAP"), ("val_f1", "held-out F1 (micro)"))
     panels = (
         (axes[0, 0], "loss", (("loss", "training"), ("val_loss", "held-out")), False),
-        (
-            axes[0, 1],
-            "accuracy",
-            (("accuracy", "training top-1"), ("val_accuracy", "held-out top-1"), ("val_top5", "held-out top-5")),
-            False,
-        ),
+        (axes[0, 1], "accuracy" if scores[0][0] == "accuracy" else "mAP and F1", scores, False),
         (axes[1, 0], "learning rate (end of epoch)", (("lr", "learning rate"),), True),
         (axes[1, 1], "images/s (all workers)", (("images_per_sec", "images/s"),), False),
     )
@@ -105,7 +104,7 @@ def curves(rows: Sequence[dict], path: str, title: str = "") -> None:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes, color="gray")
         elif log_scale and np.nanmin(_column(rows, series[0][0])) > 0:
             ax.set_yscale("log")
-        if name == "accuracy":
+        if name in ("accuracy", "mAP and F1"):
             ax.set_ylim(0, 1.02)
         ax.set_title(name)
         ax.set_xlabel("epoch")
