@@ -408,3 +408,19 @@ def test_a_multi_label_csv_is_read_as_sets_of_classes_from_one_cell_or_a_column_
     few = table(tree / "few.csv", ["path,labels", f"x/{names[0]},cat rare", f"x/{names[1]},cat"])
     with pytest.raises(UserError, match=r"1 label\(s\) are on fewer than 2 images: 'rare' on 1 \(line 2\)"):
         read_table(few, "--data", options=multi)
+
+
+def test_a_multi_label_split_keeps_a_training_image_of_every_class_that_is_never_an_images_rarest():
+    """y is on 4 images, each keyed by a rarer class (a, b, c, d, of 2 images each): at --val-split 0.5 each group
+    holds out one image, which can be all of y's; one of them goes back to training."""
+    from hvd_train.data.folder import ImageSet, split_per_class
+    from hvd_train.data.label_sets import LabelSets, split_keys
+
+    classes = ["a", "b", "c", "d", "y"]
+    sets = [[0, 4], [0], [1, 4], [1], [2, 4], [2], [3, 4], [3]]
+    data = ImageSet([f"{i}.png" for i in range(len(sets))], [0] * len(sets), classes, label_sets=LabelSets.of(sets))
+    assert split_keys(data.label_sets, len(classes)).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # y: never the rarest
+    for seed in range(64):  # 1 in 16 would hold out all four of y's images
+        train, held = split_per_class(data, 0.5, seed)
+        assert train.counts()[4] >= 1 and min(train.counts()) >= 1, seed
+        assert sorted([*train.paths, *held.paths]) == sorted(data.paths) and len(held) >= 3

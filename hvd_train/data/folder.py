@@ -26,7 +26,7 @@ from typing import overload
 import numpy as np
 
 from hvd_train.data import storage
-from hvd_train.data.label_sets import LabelSets, split_keys
+from hvd_train.data.label_sets import LabelSets, every_class_trained, split_keys
 from hvd_train.errors import UserError
 from hvd_train.log import Ticker, get_logger
 
@@ -407,7 +407,7 @@ def _walk(prefix: str, folder: str) -> tuple[list[str], list[str]]:
 
 def split_per_class(images: ImageSet, fraction: float, seed: int) -> tuple[ImageSet, ImageSet]:
     """Holds out ``fraction`` of each class (MATLAB's splitEachLabel); of a multi-label set, of the images keyed by
-    their rarest class (``label_sets.split_keys``).
+    their rarest class (``label_sets.split_keys``), every class then keeping a training image.
 
     The split depends only on the file list and ``seed``, so every rank and
     every resumed run makes the same one. Each class keeps at least one
@@ -432,4 +432,6 @@ def split_per_class(images: ImageSet, fraction: float, seed: int) -> tuple[Image
             n_val = 0
         val_idx.extend(sorted(idx[:n_val].tolist()))
         train_idx.extend(sorted(idx[n_val:].tolist()))
+    if images.label_sets is not None:
+        train_idx, val_idx = every_class_trained(images.label_sets, len(images.classes), train_idx, val_idx)
     return images.subset(sorted(train_idx)), images.subset(sorted(val_idx))

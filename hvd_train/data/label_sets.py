@@ -77,3 +77,27 @@ def split_keys(sets: LabelSets, classes: int) -> np.ndarray:
         if row:
             keys[i] = row[int(np.argmin(counts[row]))]
     return keys
+
+
+def every_class_trained(sets: LabelSets, classes: int, train: list[int], held: list[int]) -> tuple[list, list]:
+    """``(train, held)`` with, for each class none of whose images is in ``train``, the first of its held-out
+    images moved to ``train``: a split by rarest class can hold out every image of a class that is never an
+    image's rarest (as {a, y} and {b, y}, each in a group of two); it would then be scored and never trained."""
+    if not len(sets):
+        return train, held
+    image_of = np.repeat(np.arange(len(sets)), np.diff(np.concatenate([[0], sets.ends])))
+    in_train = np.zeros(len(sets), bool)
+    in_train[np.asarray(train, np.int64)] = True
+    trained = np.zeros(classes, bool)
+    trained[sets.indices[in_train[image_of]]] = True
+    moved = set()
+    for c in np.flatnonzero(~trained & (np.asarray(sets.counts(classes)) > 0)):
+        if trained[c]:  # an image moved for an earlier class has it
+            continue
+        first = int(image_of[(sets.indices == c) & ~in_train[image_of]].min())
+        in_train[first] = True
+        trained[sets.row(first)] = True
+        moved.add(first)
+    if not moved:
+        return train, held
+    return sorted([*train, *moved]), [i for i in held if i not in moved]
