@@ -121,6 +121,7 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     from hvd_train.data.table import TableOptions, read_table
     from hvd_train.distributed.context import Context
     from hvd_train.model.catalogue import get_spec
+    from hvd_train.results import report_page
 
     from conftest import HVD_TRAIN, TINY, TINY_MODEL, launcher_command, output_of, read_json, run, run_at_once
 
@@ -192,6 +193,9 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
         for i, name in enumerate(listed.classes)
     }
     assert f"mAP        {mine.map:.4f}" in done[0].stdout
+    # The report shows the run's scores and evaluate's, a table per class each.
+    page = open(report_page.write(str(out))).read()
+    assert page.count("Per class, by average precision") == 2 and f"{lower.map:.4f}; {lower.f1:.4f}" in page
     # predict: every label over the threshold, the likeliest first, its probability beside it.
     with open(tmp_path / "p.csv", newline="") as f:
         predicted = list(csv.DictReader(f))

@@ -239,7 +239,17 @@ def render(run: dict) -> str:
     else:
         body.append("<p>No held-out images were scored (no --val-data, --val-split 0, or unfinished).</p>")
     evaluation = run["evaluation"]
-    if evaluation:
+    if evaluation and evaluation.get("task") == "multi_label":
+        body.append(f"<h2>hvd-train evaluate: {html.escape(str(evaluation.get('data')))}</h2>")
+        rows = [
+            [f"mAP; micro F1 at {evaluation.get('threshold')}", _pair(evaluation.get("map"), evaluation.get("f1"))],
+            ["precision; recall (micro)", _pair(evaluation.get("precision"), evaluation.get("recall"))],
+            ["images", evaluation.get("images")],
+            ["workers", evaluation.get("world_size")],
+        ]
+        body.append(table(["", ""], [r for r in rows if r[1] is not None]))
+        body += _multi_label_section(evaluation.get("per_class") or {})
+    elif evaluation:
         body.append(f"<h2>hvd-train evaluate: {html.escape(str(evaluation.get('data')))}</h2>")
         body.append(
             table(
