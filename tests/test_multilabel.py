@@ -88,7 +88,8 @@ def test_every_rank_gets_the_scores_of_all_images_together(size):
     for ap in aps:
         np.testing.assert_allclose(ap, expected, rtol=0, atol=1e-12)
         assert np.isnan(ap[3]) and not np.isnan(ap).all()
-    found = world.run(lambda x, y, gather, reduce_sum: multilabel.counts(x, y, 0.5, reduce_sum), parts)
+    probs = [(1 / (1 + np.exp(-x.astype(np.float64))), y) for x, y in parts]
+    found = world.run(lambda p, y, gather, reduce_sum: multilabel.counts(p, y, 0.5, reduce_sum), probs)
     predicted = np.nan_to_num(logits, nan=-np.inf) >= 0
     truth = labels > 0
     for got in found:
@@ -100,10 +101,12 @@ def test_every_rank_gets_the_scores_of_all_images_together(size):
     )
 
 
-def test_the_threshold_is_a_probability_compared_on_the_logits():
-    logits = np.array([[np.log(0.7 / 0.3)], [np.log(0.69 / 0.31)], [-3.0]], np.float32)
-    got = multilabel.counts(logits, np.array([[1], [1], [0]]), 0.7, multilabel.one_rank()[1])
-    assert (got.tp.tolist(), got.fp.tolist(), got.fn.tolist()) == ([1], [0], [1])
+def test_a_decision_is_the_float32_probability_against_the_float32_threshold():
+    """As predict and the SavedModel decide: 0.45 as float32 (0.44999998...) reaches 0.45, NaN reaches nothing."""
+    probs = np.array([[0.7], [np.nextafter(np.float32(0.7), np.float32(0))], [np.float32(0.45)], [np.nan]], np.float32)
+    got = multilabel.counts(probs, np.array([[1], [1], [0], [1]]), 0.7, multilabel.one_rank()[1])
+    assert (got.tp.tolist(), got.fp.tolist(), got.fn.tolist()) == ([1], [0], [2])
+    assert multilabel.decide(probs, 0.45).ravel().tolist() == [True, True, True, False]
 
 
 @pytest.mark.multiprocess  # a job of two ranks

@@ -402,6 +402,12 @@ def test_a_multi_label_csv_is_read_as_sets_of_classes_from_one_cell_or_a_column_
     assert read_table(spaced, "--val-data", options=multi, classes=["owl", "dog", "cat", "yak"]).counts()[3] == 0
     with pytest.raises(UserError, match=r"line \d+ has label 'cat', which is not a training class"):
         read_table(spaced, "--val-data", options=multi, classes=["dog", "owl"])
+    # Held out by 0/1 columns: they must be the training classes, none missing (its images would all be negatives).
+    assert read_table(columns, "--val-data", options=multi, classes=["cat", "dog", "owl"]) == read
+    with pytest.raises(UserError, match=r"not the run's 4 classes \(no column for the classes: 'yak'\); give a col"):
+        read_table(columns, "--val-data", options=multi, classes=["owl", "dog", "cat", "yak"])
+    with pytest.raises(UserError, match=r"columns that are no class: 'owl'"):
+        read_table(columns, "--val-data", options=multi, classes=["cat", "dog"])
     bad = table(tree / "bad.csv", ["image,cat,dog", f"x/{names[0]},1,yes"])
     with pytest.raises(UserError, match=r"line 2 has 'yes' in the column 'dog', where a class's column holds 0 or 1"):
         read_table(bad, "--data", options=multi)

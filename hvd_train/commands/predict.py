@@ -123,10 +123,12 @@ def answers(path: str, probabilities, classes: list[str], threshold: float, sepa
 
     import numpy as np
 
-    p = np.asarray(probabilities, np.float64)
+    from hvd_train.results.multilabel import decide
+
+    p = np.asarray(probabilities, np.float32)
     if not np.isfinite(p).all():
         return path, "", str(math.nan)
-    over = sorted(np.flatnonzero(p >= threshold).tolist(), key=lambda c: (-p[c], c))
+    over = sorted(np.flatnonzero(decide(p, threshold)).tolist(), key=lambda c: (-p[c], c))
     return path, separator.join(classes[c] for c in over), separator.join(f"{p[c]:.6f}" for c in over)
 
 

@@ -41,6 +41,7 @@ from hvd_train.data.table_labels import (
     multi_image_set,
     refuse,
     refuse_unknown,
+    same_columns,
     warn_of_lookalikes,
 )
 from hvd_train.data.table_splits import SPLIT_COLUMNS
@@ -131,7 +132,7 @@ def read_table(
     """
     options = options or TableOptions()
     held_out = classes is not None
-    where, prefix, resolved = _resolved(url, flag, s3 or storage.S3Options(), options, True, held_out)[:3]
+    where, prefix, resolved = _resolved(url, flag, s3 or storage.S3Options(), options, True, held_out, classes)[:3]
     return _image_set(resolved, prefix, classes, options.min_per_label, where)
 
 
@@ -165,12 +166,13 @@ def table_images(url: str, flag: str, options: TableOptions | None = None) -> li
     return [prefix + name for _, name, _ in resolved]
 
 
-def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool, held_out: bool):
+def _resolved(url: str, flag: str, s3, options: TableOptions, labelled: bool, held_out: bool, classes=None):
     """``(where, prefix, [(line, real path relative to prefix, label)], rows, has_splits)`` of the rows of a CSV
-    (of its split, if it has a column of splits: ``table_splits``), in its order."""
+    (of its split, if it has a column of splits: ``table_splits``), in its order; ``classes``: the training ones,
+    which a held-out multi-label CSV's 0/1 columns must be."""
     where = f"{flag} {storage.redact_url(url)}"
     prefix = _prefix(options.image_root or _folder_of(url), where)
-    rows, has_splits = _rows(_text(url, s3, where), url, options, where, labelled)
+    rows, has_splits = _rows(_text(url, s3, where), url, options, where, labelled, classes)
     kept = table_splits.chosen(rows, has_splits, options.split, held_out, where, f"{flag}-split") if labelled else rows
     return where, prefix, _found(kept, prefix, s3, where, labelled), rows, has_splits
 
@@ -245,7 +247,9 @@ def _text(url: str, s3, where: str) -> str:
         ) from None
 
 
-def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool) -> tuple[list[tuple], bool]:
+def _rows(
+    text: str, url: str, options: TableOptions, where: str, labelled: bool, classes=None
+) -> tuple[list[tuple], bool]:
     """``(line, path, label, split)`` of each row below the header, stripped (the other columns are not kept),
     and whether the CSV has a column of splits; not ``labelled``: "" for a label, unless the CSV has a column of
     labels."""
@@ -283,6 +287,8 @@ def _rows(text: str, url: str, options: TableOptions, where: str, labelled: bool
                 class_at = [i for i in range(len(header)) if i not in (path_at, split_at)]
                 if labelled and options.multi_label and label_at < 0 and not class_at:
                     _no_column(header, usual, "--label-column", "labels", where, True)
+                if labelled and options.multi_label and label_at < 0 and classes is not None:
+                    same_columns([header[i] for i in class_at], classes, where)
                 continue
             if len(cells) != len(header):
                 raise UserError(

@@ -50,6 +50,24 @@ def column_labels(header: list[str], cells: list[str], class_at: list[int], line
     return tuple(sorted(found))
 
 
+def same_columns(columns: list[str], classes: list[str], where: str) -> None:
+    """Refuses a held-out multi-label CSV whose 0/1 columns are not the training classes (a class without a
+    column would count each of its images as a negative, and a column that is no class would be dropped)."""
+    named = {storage.nfc(c) for c in columns}
+    missing = [c for c in classes if c not in named]
+    extra = sorted(named - set(classes))
+    if missing or extra:
+        what = "; ".join(
+            f"{label}: {', '.join(map(repr, names[:SHOWN]))}{' and more' if len(names) > SHOWN else ''}"
+            for label, names in (("no column for the classes", missing), ("columns that are no class", extra))
+            if names
+        )
+        raise UserError(
+            f"{where}: its columns of 0/1 are not the run's {len(classes)} classes ({what}); give a column per "
+            f"class, named as in training (labels.json)."
+        )
+
+
 def refuse(problems: list[str], what: str, fix: str) -> None:
     """One error naming the first ``SHOWN`` of ``problems`` and counting the rest (``what`` holds ``{n}``)."""
     if problems:

@@ -20,7 +20,10 @@ every score:
 which is scikit-learn's ``average_precision_score`` (steps, ties taken
 together). Scores are logits, which rank as the probabilities do without
 the float32 sigmoid's saturation at 1.0 (that would tie the most certain
-images). A score that is not finite ranks last.
+images). A NaN score ranks last.
+
+A decision is the one ``predict`` and the exports make (``decide``): the
+float32 probability against the float32 threshold, ``p >= t``.
 """
 
 from __future__ import annotations
@@ -68,18 +71,22 @@ class Counts:
         return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn else float("nan")
 
 
-def counts(logits: np.ndarray, labels: np.ndarray, threshold: float, reduce_sum: ReduceSum) -> Counts:
-    """Per-class counts of all ranks at ``probability >= threshold``.
+def decide(probabilities, threshold: float) -> np.ndarray:
+    """Which labels apply: each float32 probability ``>= threshold`` (as float32), as ``predict``, the exports'
+    ``over_threshold`` and ``evaluate`` take them (NaN: no label)."""
+    return np.asarray(probabilities, np.float32) >= np.float32(threshold)
+
+
+def counts(probabilities: np.ndarray, labels: np.ndarray, threshold: float, reduce_sum: ReduceSum) -> Counts:
+    """Per-class counts of all ranks at ``decide(probabilities, threshold)``.
 
     Args:
-        logits: this rank's ``[N, C]`` scores (float32).
+        probabilities: this rank's ``[N, C]`` sigmoid outputs (float32).
         labels: this rank's ``[N, C]`` multi-hot labels (0 or 1).
-        threshold: the decision, a probability in (0, 1); compared on the
-            logits (``log(t / (1 - t))``), as the sigmoid is monotone.
+        threshold: the decision, a probability in (0, 1).
         reduce_sum: the sum of an array over all ranks.
     """
-    cut = np.float32(np.log(threshold / (1.0 - threshold)))
-    predicted = np.nan_to_num(np.asarray(logits, np.float32), nan=-np.inf) >= cut
+    predicted = decide(probabilities, threshold)
     truth = np.asarray(labels) > 0
     local = np.stack([(predicted & truth).sum(0), (predicted & ~truth).sum(0), (~predicted & truth).sum(0)]).astype(
         np.float64
@@ -104,10 +111,12 @@ def average_precisions(logits: np.ndarray, labels: np.ndarray, gather: Gather, r
     parts = gather(mine)
     all_cls = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
     all_scores = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.float32)
-    # Per class: its positives' distinct scores, descending, and how many positives have each.
+    # Per class: its positives' distinct scores, descending, and how many positives have each (one sort by class).
+    order = np.argsort(all_cls, kind="stable")
+    bounds = np.searchsorted(all_cls[order], np.arange(1, classes))
     steps = []
-    for c in range(classes):
-        values, at = np.unique(all_scores[all_cls == c], return_counts=True)
+    for mine_c in np.split(all_scores[order], bounds):
+        values, at = np.unique(mine_c, return_counts=True)
         steps.append((values[::-1], at[::-1]))
     # Every rank counts its images scored >= each step, in the same order; one sum gives all ranks' counts.
     local = [
@@ -148,7 +157,7 @@ class MultiLabelResult:
 
     @property
     def loss(self) -> float:
-        """The mean over images of the binary cross-entropy averaged over classes."""
+        """The mean over images of the binary cross-entropy averaged over classes (NaN where a score was)."""
         return self.loss_sum / self.count if self.count else float("nan")
 
     @property
@@ -173,23 +182,31 @@ def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") ->
 
     started = time.perf_counter()
     head = model.get_layer(HEAD_LAYER)
-    features = keras.Model(model.inputs, head.input)
+    step = model.__dict__.get("_hvd_train_multi_step")  # one trace a model, not one an epoch
+    if step is None:
+        features = keras.Model(model.inputs, head.input)
 
-    @tf.function(reduce_retracing=True, autograph=False)
-    def step(images):
-        rows = tf.cast(features(images, training=False), tf.float32)
-        return tf.matmul(rows, tf.cast(head.kernel, tf.float32)) + tf.cast(head.bias, tf.float32)
+        @tf.function(reduce_retracing=True, autograph=False)
+        def step(images):  # the head's logits, and its sigmoid as the model's own output computes it
+            rows = tf.cast(features(images, training=False), tf.float32)
+            logits = tf.matmul(rows, tf.cast(head.kernel, tf.float32)) + tf.cast(head.bias, tf.float32)
+            return logits, tf.sigmoid(logits)
+
+        model.__dict__["_hvd_train_multi_step"] = step
 
     classes = int(head.kernel.shape[-1])
-    logits, labels, skipped = [np.zeros((0, classes), np.float32)], [np.zeros((0, classes), np.float32)], []
+    empty = np.zeros((0, classes), np.float32)
+    logits, probabilities, labels, skipped = [empty], [empty], [empty], []
     for images, rows, ids in dataset:
         ids = ids.numpy()
         keep = ids >= 0
         skipped += (-1 - ids[~keep]).tolist()
-        logits.append(step(images).numpy()[keep])
+        x, p = step(images)
+        logits.append(x.numpy()[keep])
+        probabilities.append(p.numpy()[keep])
         labels.append(rows.numpy()[keep])
     scores, truth = np.concatenate(logits), np.concatenate(labels)
-    x = np.nan_to_num(scores.astype(np.float64), nan=0.0)
+    x = scores.astype(np.float64)  # a NaN score makes its image's loss NaN, as the training loss would be
     loss = (np.maximum(x, 0) - x * truth + np.log1p(np.exp(-np.abs(x)))).mean(axis=1) if x.size else np.zeros(0)
     total = ctx.allreduce_sum(np.array([len(truth), loss.sum(), len(skipped)], np.float64), name=f"{name}.sums")
     if total[2] > 0:  # every rank sees the same sum: all take part in the gather or none
@@ -198,7 +215,7 @@ def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") ->
     def reduce_sum(tag):
         return lambda array: ctx.allreduce_sum(np.asarray(array, np.float64), name=f"{name}.{tag}")
 
-    found = counts(scores, truth, threshold, reduce_sum("counts"))
+    found = counts(np.concatenate(probabilities), truth, threshold, reduce_sum("counts"))
     gather = lambda obj: ctx.allgather_object(obj, name=f"{name}.positives")  # noqa: E731
     ap = average_precisions(scores, truth, gather, reduce_sum("ranked"))
     return MultiLabelResult(
@@ -232,7 +249,7 @@ def scores(result: MultiLabelResult, classes: list[str]) -> dict:
     return {
         "threshold": result.threshold,
         "images": result.count,
-        "loss": result.loss,
+        "loss": number(result.loss),
         "map": number(result.map),
         "f1": number(result.f1),
         "precision": tp / (tp + fp) if tp + fp else None,

@@ -11,6 +11,7 @@ from hvd_train.compat import tf
 from hvd_train.results.export.formats import run_savedmodel, run_savedmodel_uint8, runner
 from hvd_train.results.export.serving import as_uint8, pixels
 from hvd_train.results.inference import Trained
+from hvd_train.results.multilabel import decide
 
 # Goals of --check, by quantisation: least top-1 agreement with predict, largest |Δp| (None: not a goal).
 GOALS = {"none": (1.0, 1e-4), "float16": (0.995, None), "int8": (0.98, None)}
@@ -32,7 +33,8 @@ def parity(
     """Agreement with predict, the largest probability difference, and whether the goals are met.
 
     A multi-label run's (``threshold``) goal is on its decisions: the share of (image, class) pairs on the same
-    side of the threshold as predict's; top-1 agreement is then only reported.
+    side of the threshold as predict's, of those farther from it than the |Δp| allowed (the others, counted as
+    ``decisions_at_the_threshold``, may fall either side); top-1 agreement is then only reported.
     """
     agree = float(np.mean(probs.argmax(1) == reference.argmax(1)))
     delta = float(np.max(np.abs(probs - reference)))
@@ -42,8 +44,12 @@ def parity(
     if not (np.isfinite(probs).all() and np.isfinite(reference).all()):
         failed.append("non-finite probabilities (NaN or inf) from the file or from predict")
     if threshold is not None:
-        decided = float(np.mean((probs >= threshold) == (reference >= threshold)))
+        # Pairs within the |Δp| allowed of the threshold may fall either side of it: counted apart.
+        clear = np.abs(np.asarray(reference, np.float64) - threshold) > (most or 0.0)
+        alike = decide(probs, threshold) == decide(reference, threshold)
+        decided = float(np.mean(alike[clear])) if clear.any() else 1.0
         result["decision_agreement"] = decided
+        result["decisions_at_the_threshold"] = int((~clear).sum())
         if decided < least:
             failed.append(f"agreement of decisions at {threshold:g} {decided:.2%} < {least:.1%}")
     elif agree < least:
