@@ -164,6 +164,7 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     truth = {row.split(",")[0]: set(row.split(",")[1].split("|")) for row in rows}
     held_rows = [str(p.relative_to(demo_small)) for p in map(Path, held.paths)]
     (tmp_path / "held.csv").write_text("path,labels\n" + "".join(f"{r},{'|'.join(truth[r])}\n" for r in held_rows))
+    single = [*TINY, "--image-root", demo_small, "--val-split", "0.2", "--epochs", "2", "--seed", "7"]
     root, at = ("--image-root", demo_small), ("--threshold", "0.45")  # another decision than the run's
     lower = multilabel.evaluate_multi(model, data.dataset, Context(), 0.45)
     done = run_at_once(
@@ -185,6 +186,7 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
         [*HVD_TRAIN, "train", "--data", table, "--output", tmp_path / "x", *options, "--mixup", "0.2"],
         [*HVD_TRAIN, "predict", "--model-dir", out, tmp_path / "held.csv", *root, "--threshold", "1.5"],
         [*HVD_TRAIN, "lr-find", "--data", table, "--output", tmp_path / "lr", *options, "--steps", "12"],
+        [*HVD_TRAIN, "train", "--data", table, "--label-column", "labels", "--output", out, *single],
     )
     for proc in done[:3]:
         assert proc.returncode == 0, output_of(proc)
@@ -226,6 +228,10 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     assert served(image_bytes=contents)["over_threshold"].numpy().tolist() == decisions
     assert "with --multi-label mixup blends one label a row" in done[3].stderr, output_of(done[3])
     assert "--threshold 1.5 is not a probability in (0, 1)" in done[4].stderr, output_of(done[4])
+    # The same folder trained as a single-label set (each set a class): its checkpoints are refused in one line.
+    assert "is of a multi-label run (a sigmoid head), and this run is a single-label run" in done[6].stderr, output_of(
+        done[6]
+    )
     # lr-find sweeps the run's loss: at the start every sigmoid says about 1/2, a binary cross-entropy of about ln 2
     # (a softmax's would be about ln of the classes, and a sparse loss would refuse multi-hot rows).
     assert done[5].returncode in (0, 2), output_of(done[5])

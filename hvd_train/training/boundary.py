@@ -186,6 +186,8 @@ class Boundary:
             "reason": reason,
             # The Keras that wrote it (HVD_TRAIN_KERAS): the other names the variables otherwise.
             "keras": KERAS_MAJOR,
+            # --multi-label: a sigmoid head, its metric's variables not the accuracy's.
+            "multi_label": self.cfg.data.multi_label,
             # --ema: whether the optimizer's state holds moving averages of the weights.
             "ema": self.cfg.optim.ema,
             # What summary.json lists as skipped, so that a resumed run lists it too.

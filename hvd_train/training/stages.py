@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 
-from hvd_train.compat import KERAS_MAJOR, keras
+from hvd_train.compat import keras
 from hvd_train.config import DataConfig, TrainConfig
 from hvd_train.data import records as records_module
 from hvd_train.data.folder import ImageSet, split_per_class
@@ -35,7 +35,7 @@ from hvd_train.model.catalogue import HEAD_LAYER, build_model, get_spec, head_ac
 from hvd_train.model.head_start import start_head
 from hvd_train.model.network import Net, use_step_seeded_dropout
 from hvd_train.model.sharded_net import ShardedNet
-from hvd_train.training import checkpoints, lr_find, s3_mirror
+from hvd_train.training import checkpoints, lr_find, resume_checks, s3_mirror
 from hvd_train.training.finish import describe
 from hvd_train.training.job import History, Job, fresh_state
 from hvd_train.training.sharded_stages import head_groups, restore_any_layout, take_head
@@ -219,8 +219,8 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
         found = s3_mirror.latest_checkpoint(out)
         if found is None:
             return None
-        _check_same_recipe(job, found)
-        changed = _check_same_data(job, found)
+        resume_checks.same_recipe(job, found)
+        changed = resume_checks.same_data(job, found)
         rows, head = restore_any_layout(job, net, found)
         return found.path, found.state.to_dict(), rows, changed, found.info, head
 
@@ -284,47 +284,6 @@ def start_state(job: Job, ctx: Context, net: Net) -> tuple[TrainState, History]:
     return state, history
 
 
-def _check_same_data(job: Job, found: checkpoints.Found) -> bool:
-    """Compares the image lists with the ones ``found`` was made with (rank 0).
-
-    Returns:
-        Whether the training images changed (resumed with ``--allow-data-change``).
-
-    Raises:
-        UserError: the images differ and ``--allow-data-change`` is not given.
-    """
-    saved, now = found.info.get("data"), job.data_identity()
-    if not saved:
-        log.warning(
-            "checkpoint %s holds no digest of its image list (written by an older hvd_train): "
-            "the images cannot be checked against it",
-            found.path,
-        )
-        return found.state.total != now["train_images"]
-    differ = [
-        f"{what}: {saved[key + '_images']} images, digest {saved[key]} then; "
-        f"{now[key + '_images']} images, digest {now[key]} now"
-        for key, what in (("train", "training images"), ("val", "held-out images"))
-        if saved.get(key) != now[key]
-    ]
-    if not differ:
-        return False
-    if not job.cfg.run.allow_data_change:
-        raise UserError(
-            f"the images differ from those checkpoint {found.path} was made with ({'; '.join(differ)}): resuming "
-            f"would map the rest of the run onto other files (and could hold out images already trained on). "
-            f"Give the same images (--data, --val-data, --val-split, --seed), pass --allow-data-change to resume "
-            f"anyway (the interrupted epoch starts over), or --no-resume to start over."
-        )
-    log.warning(
-        "--allow-data-change: the images differ from those of checkpoint %s (%s)%s",
-        found.path,
-        "; ".join(differ),
-        "; the interrupted epoch starts over" if saved.get("train") != now["train"] else "",
-    )
-    return saved.get("train") != now["train"]
-
-
 def recipe_options(cfg: TrainConfig) -> list[str]:
     """The recipe options of ``cfg`` that differ from plain training, as flags (``--ema 0.999``, ...)."""
     o, d, r = cfg.optim, cfg.data, cfg.run
@@ -340,41 +299,6 @@ def recipe_options(cfg: TrainConfig) -> list[str]:
         ("--early-stop", f"{r.early_stop} on {r.early_stop_metric}", r.early_stop),
     ]
     return [f"{flag} {value}" for flag, value, used in chosen if used]
-
-
-def _check_same_recipe(job: Job, found: checkpoints.Found) -> None:
-    """Refuses a resume whose Keras, ``--seed`` or ``--grad-accum`` differs from the checkpoint's (rank 0).
-
-    The rest of the interrupted epoch is dealt by the checkpoint's seed, in
-    whole updates of its accumulation: a new value would mix two data orders,
-    or resume an update half accumulated under another count.
-    """
-    cfg = job.cfg
-    # A checkpoint of before the Keras was recorded is Keras 2's (tf-keras, the default then).
-    written = found.info.get("keras", 2)
-    if str(written) != str(KERAS_MAJOR):
-        which = f"Keras {written}"
-        if "keras" not in found.info:
-            which = "tf-keras (Keras 2, hvd_train's default before Keras 3)"
-        raise UserError(
-            f"checkpoint {found.path} was written under {which}, and this run is Keras {KERAS_MAJOR} "
-            f"(whose variables are named otherwise): resume with HVD_TRAIN_KERAS={written}, or start over in "
-            f"another --output (--no-resume would delete these checkpoints)"
-        )
-    options = (("seed", found.state.seed, cfg.run.seed), ("grad-accum", found.state.accum, cfg.horovod.grad_accum))
-    differ = [f"--{flag} {then} then, {now} now" for flag, then, now in options if then != now]
-    if differ:
-        same = " ".join(f"--{flag} {then}" for flag, then, _ in options)
-        raise UserError(
-            f"checkpoint {found.path} was made with other options ({'; '.join(differ)}): the resumed run would "
-            f"deal its images and updates otherwise than the run it continues. Give {same} to resume, or "
-            f"--no-resume to start over."
-        )
-    if cfg.optim.ema and not found.info.get("ema"):
-        raise UserError(
-            f"checkpoint {found.path} holds no moving average of the weights (its run had no --ema): resume "
-            f"without --ema {cfg.optim.ema}, or pass --no-resume to start over with it."
-        )
 
 
 def training_sets(cfg: DataConfig, seed: int, ctx: Context, threads: int = 0) -> tuple[Data, Data | None]:
