@@ -73,6 +73,8 @@ def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, keys, said):
         ({"objective": "val_acc", "pruner": "none"}, "`objective` must be a number of each trial's summary.json"),
         ({"objective": "loss", "pruner": "none"}, "Received: 'loss'"),
         ({"objective": "accuracy"}, "Received: 'accuracy'"),
+        # A multi-label run's score, and no trial trains a multi-label set: every trial would end without it.
+        ({"objective": "val_map"}, "the objective val_map is a multi-label run's, and no trial trains a multi-label"),
         # A value of `first` its space cannot give.
         ({"search": {"optim.optimizer": ["sgd", "adamw"]}, "first": [{"optim.optimizer": "adam"}]}, "adam"),
         ({"search": {"data.batch_size": {"int": [8, 32], "step": 8}}, "first": [{"data.batch_size": 12}]}, "12"),

@@ -52,6 +52,7 @@ OBJECTIVES = (
     "images_per_sec",
     "images_per_sec_first_epoch",
 )
+MULTI_LABEL_OBJECTIVES = ("val_map", "val_f1")  # a multi-label run's, whose accuracy is none
 # Up to this many combinations of the spaces' corners, every one is checked (see _corners).
 ALL_CORNERS = 64
 # Those metrics.csv also has after each epoch, which a trial reports for pruning.
@@ -286,6 +287,14 @@ def _check(sweep: Sweep, fail) -> None:
                 f"the objective {sweep.objective} needs held-out images: set train.data.val or train.data.val_split"
                 + (f" (a trial with {_params(params)} has none)." if params else "."),
             )
+        multi = sweep.objective in MULTI_LABEL_OBJECTIVES
+        _require(
+            not sweep.objective.startswith("val_") or sweep.objective == "val_loss" or multi == cfg.data.multi_label,
+            f"the objective {sweep.objective} is a {'multi' if multi else 'single'}-label run's, and "
+            f"{'no' if multi else 'a'} trial trains a multi-label set (train.data.multi_label); optimize "
+            + ("val_map or val_f1." if cfg.data.multi_label else "val_accuracy or val_top5.")
+            + (f" (the trial with {_params(params)})" if params else ""),
+        )
 
 
 def _corners(sweep: Sweep) -> list[dict[str, Any]]:
