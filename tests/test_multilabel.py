@@ -201,6 +201,7 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     # The report shows the run's scores and evaluate's, a table per class each.
     page = open(report_page.write(str(out))).read()
     assert page.count("Per class, by average precision") == 2 and f"{lower.map:.4f}; {lower.f1:.4f}" in page
+    assert "No held-out images were scored" not in page and "confusion matrix" not in page
     # predict: every label over the threshold, the likeliest first, its probability beside it.
     with open(tmp_path / "p.csv", newline="") as f:
         predicted = list(csv.DictReader(f))
@@ -238,6 +239,22 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     with open(tmp_path / "lr" / "lr_find.csv", newline="") as f:
         first = float(next(csv.DictReader(f))["loss"])
     assert abs(first - np.log(2)) < abs(first - np.log(len(listed.classes))) and abs(first - np.log(2)) < 0.2
+
+
+def test_predict_joins_labels_so_that_its_file_reads_back_as_the_runs_csv():
+    """By the run's separator, else a space, or '|' when a class's name holds a space (a 0/1 column's header)."""
+    from hvd_train.commands.predict import answers, joiner
+    from hvd_train.data.table_labels import cell_labels
+    from hvd_train.results.inference import Trained
+
+    for classes, given, read_with in (
+        (["cat", "dog"], "", ""),
+        (["cat", "dog"], ";", ";"),
+        (["Pleural Effusion", "Edema"], "", "|"),
+    ):
+        trained = Trained(None, classes, 32, 0.875, None, data={"multi_label": True, "label_separator": given})
+        _, labels, scores = answers("x.png", np.array([0.9, 0.7], np.float32), classes, 0.5, joiner(trained))
+        assert cell_labels(labels, read_with) == tuple(sorted(classes)) and len(scores.split(joiner(trained))) == 2
 
 
 def test_a_threshold_is_refused_for_a_single_label_run_and_taken_from_the_run_when_not_given():

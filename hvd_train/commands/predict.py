@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             verbose=0,
         )
         if trained.multi_label:
-            separator = str(trained.data.get("label_separator") or " ")
+            separator = joiner(trained)
             rows += [answers(path, p, trained.classes, threshold, separator) for path, p in zip(mine, probs)]
         else:
             rows += [answer(path, p, trained.classes) for path, p in zip(mine, probs)]
@@ -113,6 +113,15 @@ def answer(path: str, probabilities, classes: list[str]) -> tuple[str, str, floa
     if not all(math.isfinite(float(p)) for p in probabilities):
         return path, "", math.nan
     return path, classes[best], float(probabilities[best])
+
+
+def joiner(trained) -> str:
+    """What joins a multi-label run's labels in a cell: its ``--label-separator``, else a space, or ``|`` where a
+    class's name holds a space (the cell then reads back with ``--label-separator '|'``)."""
+    separator = str(trained.data.get("label_separator") or "")
+    if separator:
+        return separator
+    return "|" if any(any(ch.isspace() for ch in name) for name in trained.classes) else " "
 
 
 def answers(path: str, probabilities, classes: list[str], threshold: float, separator: str) -> tuple[str, str, str]:

@@ -228,7 +228,8 @@ def render(run: dict) -> str:
     else:
         body.append("<p>No epoch has finished yet (metrics.csv is empty).</p>")
 
-    body.append("<h2>Held-out images: confusion matrix</h2>")
+    if summary.get("task") != "multi_label":  # a multi-label run's scores are in the summary's tables
+        body.append("<h2>Held-out images: confusion matrix</h2>")
     if summary.get("val_confusion_matrix") and classes:
         body += _confusion_section(
             f"held-out ({summary.get('val_images')} images)",
@@ -236,7 +237,7 @@ def render(run: dict) -> str:
             classes,
             "Rows of the matrix are true classes, columns predictions; colour is the share of the true class.",
         )
-    else:
+    elif summary.get("task") != "multi_label":
         body.append("<p>No held-out images were scored (no --val-data, --val-split 0, or unfinished).</p>")
     evaluation = run["evaluation"]
     if evaluation and evaluation.get("task") == "multi_label":

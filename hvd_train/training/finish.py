@@ -121,7 +121,7 @@ def finish(job: Job, ctx: Context, net: Net, state: TrainState, history: History
     if ctx.is_root:
         if multi:
             log.info(
-                "held-out mAP %.4f, F1 %.4f at %.2f on %d images (scored in %.1f s); %.1f images/s on %d worker(s)",
+                "held-out mAP %.4f, F1 %.4f at %g on %d images (scored in %.1f s); %.1f images/s on %d worker(s)",
                 final.map,
                 final.f1,
                 final.threshold,
