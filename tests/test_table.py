@@ -400,7 +400,7 @@ def test_a_multi_label_csv_is_read_as_sets_of_classes_from_one_cell_or_a_column_
     assert held.counts() == [sum(c in tags[names.index(p.rsplit("/", 1)[1])] for p in held.paths) for c in held.classes]
     # Held out: labels among the training classes; a bad cell of a class column; a label on too few images.
     assert read_table(spaced, "--val-data", options=multi, classes=["owl", "dog", "cat", "yak"]).counts()[3] == 0
-    with pytest.raises(UserError, match=r"line \d+ has label 'cat', which is not a training class"):
+    with pytest.raises(UserError, match=r"line \d+ has label 'cat', which is not a training class \(a multi-label"):
         read_table(spaced, "--val-data", options=multi, classes=["dog", "owl"])
     # Held out by 0/1 columns: they must be the training classes, none missing (its images would all be negatives).
     assert read_table(columns, "--val-data", options=multi, classes=["cat", "dog", "owl"]) == read

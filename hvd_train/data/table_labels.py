@@ -95,12 +95,12 @@ def counted_labels(rows, least: int, where: str) -> list[str]:
     return names
 
 
-def refuse_unknown(rows, classes: list[str], where: str) -> None:
+def refuse_unknown(rows, classes: list[str], where: str, hint: str = "") -> None:
     """Refuses the first label of ``rows`` (``(line, labels)`` pairs) that is not a training class."""
     unknown = next(((line, label) for line, labels in rows for label in labels if label not in classes), None)
     if unknown:
         raise UserError(
-            f"{where}: line {unknown[0]} has label {unknown[1]!r}, which is not a training class; training "
+            f"{where}: line {unknown[0]} has label {unknown[1]!r}, which is not a training class{hint}; training "
             f"classes are: {', '.join(classes)}."
         )
 
@@ -113,7 +113,7 @@ def multi_image_set(resolved: list, prefix: str, classes: list[str] | None, leas
         if not classes:
             raise UserError(f"{where} labels no image; a multi-label set needs at least one label.")
     else:
-        refuse_unknown(rows, classes, where)
+        refuse_unknown(rows, classes, where, " (a multi-label cell is split as the run's --label-separator says)")
     index = {c: i for i, c in enumerate(classes)}
     order = sorted(range(len(resolved)), key=lambda i: (storage.canonical_key(resolved[i][1]), resolved[i][1]))
     sets = LabelSets.of([index[label] for label in resolved[i][2]] for i in order)
