@@ -77,6 +77,13 @@ def decide(probabilities, threshold: float) -> np.ndarray:
     return np.asarray(probabilities, np.float32) >= np.float32(threshold)
 
 
+def tally(probabilities: np.ndarray, labels: np.ndarray, threshold: float) -> np.ndarray:
+    """This rank's ``[3, C]`` true positives, false positives and false negatives at ``decide``."""
+    predicted = decide(probabilities, threshold)
+    truth = np.asarray(labels) > 0
+    return np.stack([(predicted & truth).sum(0), (predicted & ~truth).sum(0), (~predicted & truth).sum(0)])
+
+
 def counts(probabilities: np.ndarray, labels: np.ndarray, threshold: float, reduce_sum: ReduceSum) -> Counts:
     """Per-class counts of all ranks at ``decide(probabilities, threshold)``.
 
@@ -86,13 +93,12 @@ def counts(probabilities: np.ndarray, labels: np.ndarray, threshold: float, redu
         threshold: the decision, a probability in (0, 1).
         reduce_sum: the sum of an array over all ranks.
     """
-    predicted = decide(probabilities, threshold)
-    truth = np.asarray(labels) > 0
-    local = np.stack([(predicted & truth).sum(0), (predicted & ~truth).sum(0), (~predicted & truth).sum(0)]).astype(
-        np.float64
-    )
-    summed = np.rint(reduce_sum(local)).astype(np.int64)
-    return Counts(*summed)
+    return summed_counts(tally(probabilities, labels, threshold), reduce_sum)
+
+
+def summed_counts(local: np.ndarray, reduce_sum: ReduceSum) -> Counts:
+    """The ``Counts`` of every rank's ``tally`` (summed: exact below 2**53)."""
+    return Counts(*np.rint(reduce_sum(np.asarray(local, np.float64))).astype(np.int64))
 
 
 def average_precisions(logits: np.ndarray, labels: np.ndarray, gather: Gather, reduce_sum: ReduceSum) -> np.ndarray:
@@ -104,10 +110,17 @@ def average_precisions(logits: np.ndarray, labels: np.ndarray, gather: Gather, r
         gather: every rank's object, in rank order, on every rank.
         reduce_sum: the sum of an array over all ranks.
     """
+    scores = np.asarray(logits, np.float32)
+    rows, cls = np.nonzero(np.asarray(labels) > 0)
+    return ranked(scores, cls, scores[rows, cls], gather, reduce_sum)
+
+
+def ranked(logits: np.ndarray, cls: np.ndarray, positive: np.ndarray, gather: Gather, reduce_sum: ReduceSum):
+    """``average_precisions`` of this rank's ``[N, C]`` scores, its positives given as their classes ``cls`` and
+    scores ``positive`` (an image's labels: a few numbers an image, where a dense matrix of labels is C)."""
     scores = np.nan_to_num(np.asarray(logits, np.float32), nan=-np.inf)
     classes = scores.shape[1]
-    rows, cls = np.nonzero(np.asarray(labels) > 0)
-    mine = (cls.astype(np.int32), scores[rows, cls])
+    mine = (np.asarray(cls, np.int32), np.nan_to_num(np.asarray(positive, np.float32), nan=-np.inf))
     parts = gather(mine)
     all_cls = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int32)
     all_scores = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.float32)
@@ -195,29 +208,36 @@ def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") ->
         model.__dict__["_hvd_train_multi_step"] = step
 
     classes = int(head.kernel.shape[-1])
-    empty = np.zeros((0, classes), np.float32)
-    logits, probabilities, labels, skipped = [empty], [empty], [empty], []
+    # Kept per image: its scores (C float32); of its labels, only the positives. Counts and loss are summed.
+    logits, cls, positive, skipped = [np.zeros((0, classes), np.float32)], [], [], []
+    local, images_seen, loss_sum = np.zeros((3, classes), np.int64), 0, 0.0
     for images, rows, ids in dataset:
         ids = ids.numpy()
         keep = ids >= 0
         skipped += (-1 - ids[~keep]).tolist()
-        x, p = step(images)
-        logits.append(x.numpy()[keep])
-        probabilities.append(p.numpy()[keep])
-        labels.append(rows.numpy()[keep])
-    scores, truth = np.concatenate(logits), np.concatenate(labels)
-    x = scores.astype(np.float64)  # a NaN score makes its image's loss NaN, as the training loss would be
-    loss = (np.maximum(x, 0) - x * truth + np.log1p(np.exp(-np.abs(x)))).mean(axis=1) if x.size else np.zeros(0)
-    total = ctx.allreduce_sum(np.array([len(truth), loss.sum(), len(skipped)], np.float64), name=f"{name}.sums")
+        x, p = (t.numpy()[keep] for t in step(images))
+        truth = rows.numpy()[keep]
+        local += tally(p, truth, threshold)
+        at, c = np.nonzero(truth > 0)
+        cls.append(c.astype(np.int32))
+        positive.append(x[at, c])
+        logits.append(x)
+        images_seen += len(x)
+        z = x.astype(np.float64)  # a NaN score makes its image's loss NaN, as the training loss would be
+        loss_sum += float((np.maximum(z, 0) - z * truth + np.log1p(np.exp(-np.abs(z)))).mean(axis=1).sum())
+    scores = np.concatenate(logits)
+    total = ctx.allreduce_sum(np.array([images_seen, loss_sum, len(skipped)], np.float64), name=f"{name}.sums")
     if total[2] > 0:  # every rank sees the same sum: all take part in the gather or none
         skipped = sorted(i for part in ctx.allgather_object(skipped, name=f"{name}.skipped") for i in part)
 
     def reduce_sum(tag):
         return lambda array: ctx.allreduce_sum(np.asarray(array, np.float64), name=f"{name}.{tag}")
 
-    found = counts(np.concatenate(probabilities), truth, threshold, reduce_sum("counts"))
+    found = summed_counts(local, reduce_sum("counts"))
     gather = lambda obj: ctx.allgather_object(obj, name=f"{name}.positives")  # noqa: E731
-    ap = average_precisions(scores, truth, gather, reduce_sum("ranked"))
+    cls = np.concatenate(cls) if cls else np.zeros(0, np.int32)
+    positive = np.concatenate(positive) if positive else np.zeros(0, np.float32)
+    ap = ranked(scores, cls, positive, gather, reduce_sum("ranked"))
     return MultiLabelResult(
         int(round(total[0])), float(total[1]), found, ap, threshold, tuple(skipped), time.perf_counter() - started
     )
