@@ -1,6 +1,7 @@
 """Multi-label held-out scores: the same on any number of ranks as on the images all together, and as defined."""
 
 import csv
+import json
 import threading
 from pathlib import Path
 
@@ -138,11 +139,16 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
         *("--val-split", "0.2", "--epochs", "2", "--seed", "7", "--early-stop", "3", "--early-stop-metric", "val_map"),
     ]
     proc = run(
-        [*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "train", "--data", table, "--output", out, *options]
-    )
+        [*launcher_command("horovodrun-gloo", 2), *HVD_TRAIN, "train", "--data", table, "--output", out, *options,
+         "--track", "jsonl"]
+    )  # fmt: skip
     assert proc.returncode == 0, output_of(proc)
     summary = read_json(out / "summary.json")
     assert summary["task"] == "multi_label" and summary["val_accuracy"] is None
+    # Tracked: its epochs' mAP and F1, and summary.json's as its results.
+    events = [json.loads(line) for line in (out / "tracking.jsonl").read_text().splitlines()]
+    assert [e["metrics"]["val_map"] for e in events if e["event"] == "epoch"][-1] == pytest.approx(summary["val_map"])
+    assert events[-1]["results"] == {k: summary[k] for k in ("val_loss", "val_map", "val_f1", *events[-1]["results"])}
     # One process, the saved model, the same held-out images (the split is the seed's).
     multi = TableOptions(image_root=str(demo_small), multi_label=True, label_separator="|")
     listed = read_table(table, "--data", options=multi)
