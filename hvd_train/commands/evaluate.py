@@ -242,7 +242,7 @@ def _report_multi(args, ctx, trained, result, skipped: list[dict]) -> None:
     print(f"F1         {shown(found['f1'])} (micro, at {found['threshold']:g})")
     print(f"precision  {shown(found['precision'])}")
     print(f"recall     {shown(found['recall'])}")
-    print(f"loss       {found['loss']:.4f}")
+    print(f"loss       {shown(found['loss'])}")
     rows = list(found["per_class"].items())
     if len(rows) > plots.MANY_CLASSES:  # the worst; every class is in the report
         rows = sorted((r for r in rows if r[1]["ap"] is not None), key=lambda r: r[1]["ap"])[:SHOWN]
