@@ -257,10 +257,50 @@ def test_predict_joins_labels_so_that_its_file_reads_back_as_the_runs_csv():
         (["cat", "dog"], "", ""),
         (["cat", "dog"], ";", ";"),
         (["Pleural Effusion", "Edema"], "", "|"),
+        (["Pleural Effusion", "Edema|Oedema"], "", ";"),
     ):
         trained = Trained(None, classes, 32, 0.875, None, data={"multi_label": True, "label_separator": given})
         _, labels, scores = answers("x.png", np.array([0.9, 0.7], np.float32), classes, 0.5, joiner(trained))
         assert cell_labels(labels, read_with) == tuple(sorted(classes)) and len(scores.split(joiner(trained))) == 2
+
+
+def test_evaluate_decides_on_the_probabilities_predict_gets_to_the_last_bit():
+    """Thresholds set to predict's own probabilities: each one is reached in predict, so it must be in evaluate
+    (a separately summed sigmoid differs from the Keras layer's by an ulp in about a third of them)."""
+    from hvd_train.compat import keras, tf
+    from hvd_train.distributed.context import Context
+    from hvd_train.model.catalogue import HEAD_LAYER
+
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(8, 3)(inputs))
+    x = keras.layers.Dense(32, activation="relu")(x)
+    model = keras.Model(inputs, keras.layers.Dense(7, activation="sigmoid", dtype="float32", name=HEAD_LAYER)(x))
+    images = np.random.default_rng(3).normal(size=(96, 8, 8, 3)).astype(np.float32)
+    probs = model.predict(images, batch_size=32, verbose=0)
+    rows = np.zeros((96, 7), np.float32)
+    data = tf.data.Dataset.from_tensor_slices((images, rows, np.arange(96, dtype=np.int32))).batch(32)
+    for t in probs[::7, 3]:  # a probability predict gave: decided True there, and so must evaluate
+        found = multilabel.evaluate_multi(model, data, Context(), float(t))
+        assert (found.counts.fp == multilabel.decide(probs, float(t)).sum(0)).all(), t
+
+
+def test_an_exports_decisions_are_held_to_predicts_over_the_labels_either_gives():
+    """80 classes, 3 labels an image: a file that drops one of each image's 3 labels fails its goal, though 98.75%
+    of all pairs (over int8's 98%) still agree; pairs within the format's band of the threshold are counted apart,
+    not held."""
+    from hvd_train.results.export.parity import parity
+
+    reference = np.full((100, 80), 0.05, np.float32)
+    reference[:, :3] = 0.9
+    dropped = reference.copy()
+    dropped[:, 2] = 0.1
+    failed = parity(reference, dropped, None, "int8", 0.5)
+    assert not failed["passed"] and failed["decision_agreement"] == pytest.approx(2 / 3), failed
+    near = reference.copy()
+    near[:, 3], reference[:, 3] = 0.505, 0.495  # within int8's band: may fall either side
+    held = parity(reference, near, None, "int8", 0.5)
+    assert held["passed"] and held["decision_agreement"] == 1.0 and held["decisions_at_the_threshold"] == 100, held
 
 
 def test_a_threshold_is_refused_for_a_single_label_run_and_taken_from_the_run_when_not_given():

@@ -404,10 +404,12 @@ def test_a_multi_label_csv_is_read_as_sets_of_classes_from_one_cell_or_a_column_
         read_table(spaced, "--val-data", options=multi, classes=["dog", "owl"])
     # Held out by 0/1 columns: they must be the training classes, none missing (its images would all be negatives).
     assert read_table(columns, "--val-data", options=multi, classes=["cat", "dog", "owl"]) == read
-    with pytest.raises(UserError, match=r"not the run's 4 classes \(no column for the classes: 'yak'\); give a col"):
+    with pytest.raises(UserError, match=r"have none for 1 of the run's 4 classes \('yak'\); give a column per class"):
         read_table(columns, "--val-data", options=multi, classes=["owl", "dog", "cat", "yak"])
-    with pytest.raises(UserError, match=r"columns that are no class: 'owl'"):
+    with pytest.raises(UserError, match=r"line \d+ has label 'owl', which is not a training class"):
         read_table(columns, "--val-data", options=multi, classes=["cat", "dog"])
+    never = table(tree / "never.csv", ["image,cat,dog,owl", *(f"x/{n},1,0,0" for n in names)])  # owl: never 1
+    assert read_table(never, "--val-data", options=multi, classes=["cat", "dog"]).counts() == [len(names), 0]
     bad = table(tree / "bad.csv", ["image,cat,dog", f"x/{names[0]},1,yes"])
     with pytest.raises(UserError, match=r"line 2 has 'yes' in the column 'dog', where a class's column holds 0 or 1"):
         read_table(bad, "--data", options=multi)

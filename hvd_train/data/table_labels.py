@@ -51,20 +51,17 @@ def column_labels(header: list[str], cells: list[str], class_at: list[int], line
 
 
 def same_columns(columns: list[str], classes: list[str], where: str) -> None:
-    """Refuses a held-out multi-label CSV whose 0/1 columns are not the training classes (a class without a
-    column would count each of its images as a negative, and a column that is no class would be dropped)."""
+    """Refuses a held-out multi-label CSV of 0/1 columns without a column for each training class (each image
+    would count as a negative of that class). A column that is no class may be there (one the training CSV had,
+    never 1): a row holding 1 in it is refused by ``refuse_unknown``, by line."""
     named = {storage.nfc(c) for c in columns}
     missing = [c for c in classes if c not in named]
-    extra = sorted(named - set(classes))
-    if missing or extra:
-        what = "; ".join(
-            f"{label}: {', '.join(map(repr, names[:SHOWN]))}{' and more' if len(names) > SHOWN else ''}"
-            for label, names in (("no column for the classes", missing), ("columns that are no class", extra))
-            if names
-        )
+    if missing:
+        more = " and more" if len(missing) > SHOWN else ""
         raise UserError(
-            f"{where}: its columns of 0/1 are not the run's {len(classes)} classes ({what}); give a column per "
-            f"class, named as in training (labels.json)."
+            f"{where}: its columns of 0/1 have none for {len(missing)} of the run's {len(classes)} classes "
+            f"({', '.join(map(repr, missing[:SHOWN]))}{more}); give a column per class, named as in training "
+            f"(labels.json)."
         )
 
 

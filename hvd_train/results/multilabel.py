@@ -197,13 +197,17 @@ def evaluate_multi(model, dataset, ctx, threshold: float, name: str = "eval") ->
     head = model.get_layer(HEAD_LAYER)
     step = model.__dict__.get("_hvd_train_multi_step")  # one trace a model, not one an epoch
     if step is None:
-        features = keras.Model(model.inputs, head.input)
+        both = keras.Model(model.inputs, [head.input, head.output])
 
         @tf.function(reduce_retracing=True, autograph=False)
-        def step(images):  # the head's logits, and its sigmoid as the model's own output computes it
-            rows = tf.cast(features(images, training=False), tf.float32)
+        def step(images):
+            # The probabilities of the head's own call, as predict and the SavedModel compute them (its fused
+            # matmul, bias and sigmoid: a separate sum differs by an ulp, which can cross the threshold); the
+            # logits, which rank them without the sigmoid's saturation.
+            rows, probabilities = both(images, training=False)
+            rows = tf.cast(rows, tf.float32)
             logits = tf.matmul(rows, tf.cast(head.kernel, tf.float32)) + tf.cast(head.bias, tf.float32)
-            return logits, tf.sigmoid(logits)
+            return logits, tf.cast(probabilities, tf.float32)
 
         model.__dict__["_hvd_train_multi_step"] = step
 
