@@ -145,9 +145,11 @@ def test_a_multi_label_run_is_trained_evaluated_predicted_and_exported_with_the_
     assert proc.returncode == 0, output_of(proc)
     summary = read_json(out / "summary.json")
     assert summary["task"] == "multi_label" and summary["val_accuracy"] is None
-    # Tracked: its epochs' mAP and F1, and summary.json's as its results.
+    # Tracked: its epochs' mAP and F1 (the best epoch's model saved: --early-stop), and summary.json's as results.
     events = [json.loads(line) for line in (out / "tracking.jsonl").read_text().splitlines()]
-    assert [e["metrics"]["val_map"] for e in events if e["event"] == "epoch"][-1] == pytest.approx(summary["val_map"])
+    epochs = [e["metrics"] for e in events if e["event"] == "epoch"]
+    assert len(epochs) == 2 and all({"val_map", "val_f1", "f1"} <= set(m) for m in epochs), epochs
+    assert max(m["val_map"] for m in epochs) == pytest.approx(summary["val_map"])
     assert events[-1]["results"] == {k: summary[k] for k in ("val_loss", "val_map", "val_f1", *events[-1]["results"])}
     # One process, the saved model, the same held-out images (the split is the seed's).
     multi = TableOptions(image_root=str(demo_small), multi_label=True, label_separator="|")
