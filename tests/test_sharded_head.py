@@ -85,7 +85,8 @@ class OneProcess:
 
 def test_the_sharded_heads_maths_through_a_one_process_stand_in_is_kerass_softmax_head():
     """``head_step`` and ``head_scores`` take their exchanges from the groups object alone: through a stand-in of one
-    process they are a plain softmax head's loss (label smoothing included), gradients and scores."""
+    process they are a plain softmax head's loss (label smoothing and mixed targets included), gradients and
+    scores."""
     import numpy as np
 
     from hvd_train.compat import keras, tf
@@ -108,6 +109,20 @@ def test_the_sharded_heads_maths_through_a_one_process_stand_in_is_kerass_softma
     for got, variable in ((step.d_kernel, kernel), (step.d_bias, bias), (step.d_features, features)):
         np.testing.assert_allclose(got.numpy(), tape.gradient(loss, variable).numpy(), rtol=1e-4, atol=1e-6)
     assert step.predicted.numpy().tolist() == np.argmax(logits.numpy(), axis=1).tolist()
+    # Mixed targets (mixup, CutMix): a second label and the first's share a row (one row mixed with itself).
+    second, share = tf.constant([4, 3, 0, 1, 1, 2]), tf.constant([0.7, 0.2, 1.0, 0.5, 0.0, 0.9])
+    soft = share[:, None] * tf.one_hot(labels, 5) + (1.0 - share[:, None]) * tf.one_hot(second, 5)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(features)
+        logits = tf.matmul(features, kernel) + bias
+        loss = loss_fn(soft, logits, sample_weight=weights)
+    mixed = head_step(
+        features, labels, weights, kernel, bias, first=0, classes=5, groups=OneProcess(), smoothing=0.1,
+        mixed=(second, share),
+    )  # fmt: skip
+    np.testing.assert_allclose(mixed.loss.numpy(), loss.numpy(), rtol=1e-5)
+    for got, variable in ((mixed.d_kernel, kernel), (mixed.d_bias, bias), (mixed.d_features, features)):
+        np.testing.assert_allclose(got.numpy(), tape.gradient(loss, variable).numpy(), rtol=1e-4, atol=1e-6)
     scored = head_scores(features, labels, kernel, bias, first=0, groups=OneProcess(), k=3)
     for got, want in zip(scored, score_logits(logits, labels, 3)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5)
@@ -116,7 +131,8 @@ def test_the_sharded_heads_maths_through_a_one_process_stand_in_is_kerass_softma
 @pytest.mark.multiprocess
 def test_the_sharded_head_equals_the_data_parallel_head(tmp_path):
     """Loss, gradients, predictions and three SGD steps, to 1e-5 relative, one and two groups, with and without
-    label smoothing; held-out scores; the trained head gathered into one file and split again.
+    label smoothing, and with mixed targets (mixup's and CutMix's: two labels and a share a row); held-out scores;
+    the trained head gathered into one file and split again.
 
     Four ranks: groups of 2 (two groups, whose peers average the head's gradients) and of 4 (one group, the
     whole job, as two ranks in one group of 2 are)."""
@@ -126,7 +142,8 @@ def test_the_sharded_head_equals_the_data_parallel_head(tmp_path):
     assert proc.returncode == 0, output_of(proc)
     ranks = [read_json(tmp_path / f"rank{r}.json") for r in range(np_)]
     for rank, results in enumerate(ranks):
-        assert sorted(results) == sorted(f"G={g},s={s}" for g in layouts.split(",") for s in ("0", "0.1"))
+        keys = [f"G={g},s={s}" for g in layouts.split(",") for s in ("0", "0.1")]
+        assert sorted(results) == sorted([*keys, *(f"G={g},s=0.1,mixed" for g in layouts.split(","))])
         exact(results, rank)
     for g in map(int, layouts.split(",")):  # each group's shards are the whole head
         for group in range(np_ // g):
@@ -307,7 +324,8 @@ def test_a_sharded_head_is_saved_whole_when_rank_0_has_the_room_and_as_files_whe
 # SGD, whose step scales with the gradients' norm: clipping to a norm that counts the head's shards of every rank
 # of the group, or not, trains other weights.
 RECIPE = [
-    *("--label-smoothing", "0.1", "--grad-accum", "2", "--ema", "0.9", "--deterministic"),
+    *("--label-smoothing", "0.1", "--grad-accum", "2", "--ema", "0.9", "--deterministic", "--mixup", "0.4"),
+    *("--cutmix", "1.0"),
     *("--base-lr", "0.5", "--clip-norm", "0.1", "--clip-value", "0.02", "--head-lr-mult", "3"),
 ]
 # Nothing before the head trains: the backbone frozen, no normalisation of the head's input.
@@ -319,7 +337,8 @@ FROZEN = ["--optimizer", "adam", "--freeze-backbone", "--head-norm", "none", "--
 @pytest.mark.parametrize("options", [RECIPE, FROZEN], ids=["recipe", "frozen"])
 def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small, tmp_path, options):
     """The same job twice on two ranks, with the head whole on each and split over both: both start from the
-    same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With label smoothing,
+    same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With mixup and CutMix
+    (each step one of them, its targets through the split loss as two labels and a share a row), label smoothing,
     --grad-accum 2 (the head's passes added up, applied with the backbone's), --ema (the head's average moved with
     the backbone's, and saved), --clip-value and --clip-norm (the global norm of the whole model's averaged
     gradients, the head's shards of the group included), then --head-lr-mult; and with nothing trainable before

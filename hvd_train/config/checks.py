@@ -140,8 +140,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         for flag, value, used, why in (
             ("--elastic", True, h.elastic, "its Horovod process sets do not survive an elastic reset (horovod#4021)"),
             ("--xla", c.xla, c.xla == "jit", "the sharded head's step exchanges features inside the step"),
-            ("--mixup", d.mixup, d.mixup, "the sharded head takes one label a row, not mixed targets"),
-            ("--cutmix", d.cutmix, d.cutmix, "the sharded head takes one label a row, not mixed targets"),
         ):
             _require(not used, flag, value, f"with --head-parallel {why}; drop one of them")
     _multi_label(cfg)

@@ -19,11 +19,24 @@ with it stays whole.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from hvd_train.compat import keras, tf
 
 
+class Mixed(NamedTuple):
+    """A mixed batch's targets as two labels and a share a row: ``share`` on ``first``, the rest on ``second``
+    (the data-parallel step makes them rows of class shares, ``Mixer.targets``; the sharded head takes them so,
+    with no row of every class)."""
+
+    first: tf.Tensor
+    second: tf.Tensor
+    share: tf.Tensor
+
+
 class Mixer:
-    """Mixes a batch: ``mix(images, labels, weights, key)`` gives images, soft targets, weights and labels.
+    """Mixes a batch: ``mix(images, labels, weights, key)`` gives images, their targets (``Mixed``), weights and
+    labels.
 
     Args:
         mixup: Beta's alpha for mixup (0: never).
@@ -48,8 +61,8 @@ class Mixer:
             key: a stateless seed, ``int64[2]``.
 
         Returns:
-            ``(images, targets, weights, labels)``: the mixed images, their
-            targets (``[batch, classes]``, rows summing to 1), their weights
+            ``(images, mixed, weights, labels)``: the mixed images, their
+            targets (``Mixed``: each row's two labels and the first's share), their weights
             (mixed like the targets; 0 where the image itself weighs 0), and
             the label of the larger share of each (for the training accuracy).
         """
@@ -72,12 +85,16 @@ class Mixer:
             mixed, lam = self._mixup(images, other_images, lam_key)
         lam = tf.where(mixable, lam, tf.ones_like(lam))  # [batch]
         images = tf.where(tf.reshape(mixable, [-1] + [1] * (images.shape.rank - 1)), mixed, images)
-        one_hot = tf.one_hot(tf.cast(labels, tf.int32), self.classes, dtype=tf.float32)
-        other_hot = tf.one_hot(tf.cast(other_labels, tf.int32), self.classes, dtype=tf.float32)
-        targets = lam[:, None] * one_hot + (1.0 - lam[:, None]) * other_hot
+        mixed_targets = Mixed(tf.cast(labels, tf.int32), tf.cast(other_labels, tf.int32), lam)
         weights = tf.where(weights > 0, lam * weights + (1.0 - lam) * other_weights, tf.zeros_like(weights))
         labels = tf.where(lam >= 0.5, labels, other_labels)
-        return images, targets, weights, labels
+        return images, mixed_targets, weights, labels
+
+    def targets(self, mixed: Mixed):
+        """``mixed`` as rows of class shares, ``[batch, classes]``, each summing to 1."""
+        one_hot = tf.one_hot(mixed.first, self.classes, dtype=tf.float32)
+        other_hot = tf.one_hot(mixed.second, self.classes, dtype=tf.float32)
+        return mixed.share[:, None] * one_hot + (1.0 - mixed.share[:, None]) * other_hot
 
     def _beta(self, alpha: float, key):
         """A draw of Beta(alpha, alpha), as a ratio of two Gamma(alpha) draws."""

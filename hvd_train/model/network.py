@@ -288,16 +288,18 @@ class Net:
         weights = tf.cast(ids >= 0, tf.float32)
         if self._class_weights is not None:
             weights *= tf.gather(self._class_weights, tf.cast(labels, tf.int32))
-        targets = None
+        mixed = None
         if self._mixer is not None:
             # From (seed, rank, images seen): the same mixing after a resume, another on each rank.
-            images, targets, weights, labels = self._mixer.mix(images, labels, weights, tf.stack([key, seen]))
-        self._update(images, labels, weights, targets)
+            images, mixed, weights, labels = self._mixer.mix(images, labels, weights, tf.stack([key, seen]))
+        self._update(images, labels, weights, mixed)
         for average, statistic in zip(self._statistic_averages, self.batchnorm_statistics()):
             average.assign(self._ema_decay * average + (1.0 - self._ema_decay) * statistic)
 
-    def _update(self, images, labels, weights, targets) -> None:
-        """The forward and backward pass and the update (``ShardedNet``: with its head sharded)."""
+    def _update(self, images, labels, weights, mixed) -> None:
+        """The forward and backward pass and the update (``ShardedNet``: with its head sharded); ``mixed``: a
+        mixed batch's targets (``mixing.Mixed``), else None."""
+        targets = None if mixed is None else self._mixer.targets(mixed)
         self.model.train_step((images, labels, weights), targets)
 
     def _rates(self) -> list[tf.Variable]:

@@ -12,8 +12,11 @@ of the kernel and bias. One step of the head, on every rank of a group:
    allgather of five numbers a row and shard: the shard's largest logit,
    its sum of ``exp(logit - largest)``, the label's logit (0 where the
    label is another shard's), the sum of the logits (label smoothing), and
-   the shard's best class. ``log sum exp`` over all classes is then
-   ``m + log sum_j s_j exp(m_j - m)`` with ``m = max_j m_j``;
+   the shard's best class; under ``--mixup``/``--cutmix`` (two labels and
+   the first's share a row), the second label's logit too. ``log sum exp``
+   over all classes is then ``m + log sum_j s_j exp(m_j - m)`` with
+   ``m = max_j m_j``, and the soft target's cross-entropy is that less the
+   targets' shares of the two labels' logits;
 4. the gradient of the logits is ``(softmax - target) w / B`` for a row of
    weight ``w`` from a rank of batch ``B``: each rank's loss is the mean of
    its own rows, as in the data-parallel step;
@@ -66,6 +69,7 @@ def head_step(
     classes: int,
     groups: HeadGroups,
     smoothing: float = 0.0,
+    mixed: tuple | None = None,
 ) -> HeadStep:
     """Loss and gradients of the softmax head sharded over ``groups.group``, for this rank's batch.
 
@@ -76,6 +80,9 @@ def head_step(
         kernel, bias: this rank's shard: [F, count] and [count], classes ``first ..``.
         classes: all classes of the head.
         smoothing: label smoothing (Keras's: ``1 - s`` on the label, ``s / classes`` on every class).
+        mixed: ``(second, share)`` of a mixed batch (``mixing.Mixer``): each row's second label [B] and the
+            share of its first, ``labels`` [B]; its target ``share`` on the first, ``1 - share`` on the second
+            (then smoothed), as the data-parallel step's soft targets.
     """
     parallel = groups.parallel
     batch = tf.shape(features)[0]
@@ -86,22 +93,37 @@ def head_step(
     summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
     label_logit = tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0)
     best = tf.cast(tf.argmax(logits, axis=1, output_type=tf.int32) + first, tf.float64)
-    stats = tf.stack(
-        [tf.cast(v, tf.float64) for v in (largest, summed, label_logit, tf.reduce_sum(logits, axis=1))] + [best],
-        axis=1,
-    )
-    every = tf.reshape(groups.gather(stats, "head_step.stats"), [parallel, -1, 5])
+    columns = [largest, summed, label_logit, tf.reduce_sum(logits, axis=1)]
+    share = tf.ones_like(all_weights)  # the first label's share of each row's target
+    if mixed is not None:
+        second, share = (
+            groups.gather(tf.cast(mixed[0], tf.int32), "head_step.second"),
+            groups.gather(tf.cast(mixed[1], tf.float32), "head_step.share"),
+        )
+        local_b = second - first
+        mine_b = (local_b >= 0) & (local_b < count)
+        local_b = tf.where(mine_b, local_b, 0)
+        columns.append(tf.where(mine_b, tf.gather(logits, local_b, batch_dims=1), 0.0))
+    stats = tf.stack([tf.cast(v, tf.float64) for v in columns] + [best], axis=1)
+    every = tf.reshape(groups.gather(stats, "head_step.stats"), [parallel, -1, len(columns) + 1])
     top = tf.reduce_max(every[..., 0], axis=0)
     normalizer = top + tf.math.log(tf.reduce_sum(every[..., 1] * tf.exp(every[..., 0] - top), axis=0))
-    row_loss = normalizer - (1.0 - smoothing) * tf.reduce_sum(every[..., 2], axis=0)
+    labelled = tf.reduce_sum(every[..., 2], axis=0)
+    if mixed is not None:  # the shares of the two labels' logits
+        share_d = tf.cast(share, tf.float64)
+        labelled = share_d * labelled + (1.0 - share_d) * tf.reduce_sum(every[..., 4], axis=0)
+    row_loss = normalizer - (1.0 - smoothing) * labelled
     if smoothing:
         row_loss -= smoothing / classes * tf.reduce_sum(every[..., 3], axis=0)
     winner = tf.argmax(every[..., 0], axis=0, output_type=tf.int32)
-    predicted = tf.cast(tf.gather(tf.transpose(every[..., 4]), winner, batch_dims=1), tf.int32)
+    predicted = tf.cast(tf.gather(tf.transpose(every[..., -1]), winner, batch_dims=1), tf.int32)
 
     batch_f = tf.cast(batch, tf.float32)
     probs = tf.exp(logits - tf.cast(normalizer, tf.float32)[:, None])
-    target = (1.0 - smoothing) * tf.one_hot(local, count) * tf.cast(mine, tf.float32)[:, None] + smoothing / classes
+    hot = tf.one_hot(local, count) * (share * tf.cast(mine, tf.float32))[:, None]
+    if mixed is not None:
+        hot += tf.one_hot(local_b, count) * ((1.0 - share) * tf.cast(mine_b, tf.float32))[:, None]
+    target = (1.0 - smoothing) * hot + smoothing / classes
     d_logits = (probs - target) * (all_weights / batch_f)[:, None]
     d_kernel = tf.matmul(rows, d_logits, transpose_a=True) / parallel
     d_bias = tf.reduce_sum(d_logits, axis=0) / parallel

@@ -93,13 +93,13 @@ class ShardedNet(Net):
     def _rates(self) -> list[tf.Variable]:
         return [self.optimizer.learning_rate, self.head_optimizer.learning_rate]
 
-    def _update(self, images, labels, weights, targets) -> None:
+    def _update(self, images, labels, weights, mixed) -> None:
         if keras_3():
-            return self._keras3_update(images, labels, weights)
+            return self._keras3_update(images, labels, weights, mixed)
         optimizer, variables = self.optimizer, self.model.trainable_variables
         before = optimizer.iterations.read_value()
         with tf.GradientTape() as tape:
-            step, handed = self._head_pass(tape, images, labels, weights)
+            step, handed = self._head_pass(tape, images, labels, weights, mixed)
         # Horovod's DistributedOptimizer, as the data-parallel step: the gradients averaged over every rank
         # (--fp16-allreduce compressed; --grad-accum: added up locally, averaged at each update); under a
         # loss scale, the sum scaled (in float32), then the gradients unscaled.
@@ -134,14 +134,15 @@ class ShardedNet(Net):
         self._apply_head(head, factor, before, applies)
         self._update_metrics(step, labels, weights)
 
-    def _head_pass(self, tape, images, labels, weights):
+    def _head_pass(self, tape, images, labels, weights, mixed):
         """The forward pass on ``tape`` and the sharded head's step (``head_step``) off it: the step, and the sum
-        by which the loss reaches the backbone through its features."""
+        by which the loss reaches the backbone through its features. ``mixed`` (``mixing.Mixed``): a mixed batch's
+        two labels and share a row, whose first labels the step takes for ``labels``."""
         features = self.model(images, training=True)
         with tape.stop_recording():
             step = head_step(
                 features,
-                labels,
+                labels if mixed is None else mixed.first,
                 weights,
                 self.kernel,
                 self.bias,
@@ -149,6 +150,7 @@ class ShardedNet(Net):
                 classes=self.classes,
                 groups=self.head,
                 smoothing=self._smoothing,
+                mixed=None if mixed is None else (mixed.second, mixed.share),
             )
         # This sum has the loss's gradient for every backbone variable (the features' gradient held constant),
         # taken in float32 as the head's loss.
@@ -195,14 +197,14 @@ class ShardedNet(Net):
         correct = tf.cast(tf.equal(step.predicted, tf.cast(labels, tf.int32)), tf.float32)
         keras.metrics.Mean.update_state(metrics["accuracy"], correct, sample_weight=weights)
 
-    def _keras3_update(self, images, labels, weights) -> None:
+    def _keras3_update(self, images, labels, weights, mixed) -> None:
         """Keras 3: as ``_update``, without Horovod's Keras layer (``Classifier._keras3_step``): the backbone's
         gradients of the loss scaled, the head's and theirs added up locally over ``--grad-accum``'s passes, then
         one update (``_keras3_apply``)."""
         variables = self.model.trainable_variables
         scaled = is_loss_scaled(self.optimizer)
         with tf.GradientTape() as tape:
-            step, handed = self._head_pass(tape, images, labels, weights)
+            step, handed = self._head_pass(tape, images, labels, weights, mixed)
             if scaled:
                 handed = self.optimizer.scale_loss(handed)
         grads = [*(tape.gradient(handed, variables) if variables else []), step.d_kernel, step.d_bias]

@@ -1,7 +1,9 @@
 """Launched under horovodrun by the tests: the sharded head against the data-parallel head.
 
 Usage: python sharded_head_check.py OUT_DIR G[,G...] SMOOTHING[,SMOOTHING...]
-Every layout (G ranks per head) with every label smoothing. A small
+Every layout (G ranks per head) with every label smoothing, and with the
+last smoothing a mixed batch too (mixup's and CutMix's targets: a second
+label and the first's share a row, drawn at random). A small
 backbone (``tanh(x A)``) and a Dense softmax head of 11 classes (uneven
 shards). Every rank draws its own batch (a weight-0 row among them); the
 weights are drawn alike on every rank. Both ways compute, in a
@@ -9,7 +11,7 @@ weights are drawn alike on every rank. Both ways compute, in a
 gradients (the sharded head's shard against the slice of the full one's),
 and the predicted classes. Then three SGD steps each way, and the weights
 after them. Each rank writes the largest relative differences, by
-``G=..,s=..``, to OUT_DIR/rank{R}.json.
+``G=..,s=..`` (``,mixed``), to OUT_DIR/rank{R}.json.
 """
 
 import json
@@ -53,19 +55,30 @@ def batch(step):
     return tf.constant(x), tf.constant(y), tf.constant(w)
 
 
+def mixing(step):
+    """A mixed batch's second labels (one row's the same as its first) and the first's shares."""
+    rng = np.random.default_rng(5000 + 1000 * step + ctx.rank)
+    second = rng.integers(0, CLASSES, size=BATCH).astype("int32")
+    second[0] = batch(step)[1].numpy()[0]
+    return tf.constant(second), tf.constant(rng.uniform(0.0, 1.0, size=BATCH).astype("float32"))
+
+
 def relative(a, b):
     a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def check(groups, smoothing):
+def check(groups, smoothing, mixed=False):
     first, count = shard_range(CLASSES, groups.parallel, groups.shard)
 
     @tf.function
-    def sharded(A, kernel, bias, x, y, w):
+    def sharded(A, kernel, bias, x, y, w, y2, share):
         with tf.GradientTape() as tape:
             features = tf.tanh(tf.matmul(x, A))
-        step = head_step(features, y, w, kernel, bias, first=first, classes=CLASSES, groups=groups, smoothing=smoothing)
+        step = head_step(
+            features, y, w, kernel, bias, first=first, classes=CLASSES, groups=groups, smoothing=smoothing,
+            mixed=(y2, share) if mixed else None,
+        )  # fmt: skip
         d_a = hvd.allreduce(tape.gradient(features, A, output_gradients=step.d_features), op=hvd.Average)
         d_k, d_b = peers_average([step.d_kernel, step.d_bias], groups)
         return hvd.allreduce(step.loss, op=hvd.Average), d_a, d_k, d_b, step.predicted
@@ -83,10 +96,13 @@ def check(groups, smoothing):
         return head_scores(features, y, kernel, bias, first=first, groups=groups, k=5)
 
     @tf.function
-    def data_parallel(A, W, b, x, y, w):
+    def data_parallel(A, W, b, x, y, w, y2, share):
         with tf.GradientTape() as tape:
             logits = tf.matmul(tf.tanh(tf.matmul(x, A)), W) + b
-            target = tf.one_hot(y, CLASSES) * (1 - smoothing) + smoothing / CLASSES
+            hot = tf.one_hot(y, CLASSES)
+            if mixed:  # as Mixer.targets makes them
+                hot = share[:, None] * hot + (1.0 - share[:, None]) * tf.one_hot(y2, CLASSES)
+            target = hot * (1 - smoothing) + smoothing / CLASSES
             rows = tf.nn.softmax_cross_entropy_with_logits(target, logits)
             loss = tf.reduce_sum(rows * w) / BATCH
         grads = [hvd.allreduce(g, op=hvd.Average) for g in tape.gradient(loss, [A, W, b])]
@@ -100,8 +116,8 @@ def check(groups, smoothing):
     sharded_scores.get_concrete_function(
         A, kernel, bias, tf.TensorSpec([None, INPUTS], tf.float32), tf.TensorSpec([None], tf.int32)
     )
-    loss_s, d_a_s, d_k, d_b, predicted = sharded(A, kernel, bias, x, y, w)
-    loss_d, (d_a_d, d_w, d_bias_d), argmax = data_parallel(A, W, b, x, y, w)
+    loss_s, d_a_s, d_k, d_b, predicted = sharded(A, kernel, bias, x, y, w, *mixing(0))
+    loss_d, (d_a_d, d_w, d_bias_d), argmax = data_parallel(A, W, b, x, y, w, *mixing(0))
     result = {
         "shard": [first, count],
         "loss": relative(loss_s, loss_d),
@@ -145,8 +161,8 @@ def check(groups, smoothing):
     A_s, A_d = tf.Variable(A0), tf.Variable(A0)
     for step in range(1, 4):
         x, y, w = batch(step)
-        _, d_a_s, d_k, d_b, _ = sharded(A_s, kernel, bias, x, y, w)
-        _, (d_a_d, d_w, d_bias_d), _ = data_parallel(A_d, W, b, x, y, w)
+        _, d_a_s, d_k, d_b, _ = sharded(A_s, kernel, bias, x, y, w, *mixing(step))
+        _, (d_a_d, d_w, d_bias_d), _ = data_parallel(A_d, W, b, x, y, w, *mixing(step))
         for var, grad in ((A_s, d_a_s), (kernel, d_k), (bias, d_b), (A_d, d_a_d), (W, d_w), (b, d_bias_d)):
             var.assign_sub(LR * grad)
     result["trained_backbone"] = relative(A_s, A_d)
@@ -155,11 +171,11 @@ def check(groups, smoothing):
     result["moved"] = relative(W0[:, first : first + count], kernel)
 
     # The trained head written whole by the first group, then read back by any layout's ranges.
-    folder = os.path.join(out_dir, f"head-G{groups.parallel}-s{smoothing:g}")
+    folder = os.path.join(out_dir, f"head-G{groups.parallel}-s{smoothing:g}{'-mixed' if mixed else ''}")
     os.makedirs(folder, exist_ok=True)
     sharded_files.gather_into(folder, "kernel", kernel.numpy(), groups, CLASSES)
     sharded_files.gather_into(folder, "bias", bias.numpy(), groups, CLASSES)
-    hvd.allreduce(tf.constant(0.0), name=f"written.{groups.parallel}.{smoothing:g}")  # the files are complete
+    hvd.allreduce(tf.constant(0.0), name=f"written.{groups.parallel}.{smoothing:g}.{mixed}")  # files complete
     mine = sharded_files.read_columns(folder, "kernel", first, count, CLASSES)
     result["read_back"] = relative(mine, kernel) + relative(
         sharded_files.read_columns(folder, "bias", first, count, CLASSES), bias
@@ -172,5 +188,6 @@ def check(groups, smoothing):
 
 
 results = {f"G={g},s={s:g}": check(registered[g], s) for g in layouts for s in smoothings}
+results.update({f"G={g},s={smoothings[-1]:g},mixed": check(registered[g], smoothings[-1], True) for g in layouts})
 with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
     json.dump(results, f)
