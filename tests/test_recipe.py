@@ -157,7 +157,8 @@ weights = tf.constant([1.0, 1.0, 0.5, 0.0])
 for kind, mixer in (("mixup", Mixer(1.0, 0.0, 3)), ("cutmix", Mixer(0.0, 1.0, 3)), ("both", Mixer(1.0, 1.0, 3))):
     runs = []
     for k in range(40):
-        mixed, targets, w, top = mixer.mix(images, labels, weights, tf.constant([7, k], tf.int64))
+        mixed, pairs, w, top = mixer.mix(images, labels, weights, tf.constant([7, k], tf.int64))
+        targets = mixer.targets(pairs)  # as the data-parallel step takes them
         runs.append({"images": mixed.numpy().tolist(), "targets": targets.numpy().tolist(),
                      "weights": w.numpy().tolist(), "labels": top.numpy().tolist()})
     again = mixer.mix(images, labels, weights, tf.constant([7, 0], tf.int64))[0].numpy()
