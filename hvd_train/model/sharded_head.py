@@ -9,11 +9,12 @@ of the kernel and bias. One step of the head, on every rank of a group:
 1. the group allgathers its features, labels and weights (``G B`` rows);
 2. each rank computes the logits of its classes for all ``G B`` rows;
 3. the softmax cross-entropy is made exact across shards from one more
-   allgather of five numbers a row and shard: the shard's largest logit,
+   allgather of five numbers a row and shard (six for a mixed batch): the shard's largest logit,
    its sum of ``exp(logit - largest)``, the label's logit (0 where the
    label is another shard's), the sum of the logits (label smoothing), and
    the shard's best class; under ``--mixup``/``--cutmix`` (two labels and
-   the first's share a row), the second label's logit too. ``log sum exp``
+   the first's share a row, gathered with the rows), the second label's
+   logit too. ``log sum exp``
    over all classes is then ``m + log sum_j s_j exp(m_j - m)`` with
    ``m = max_j m_j``, and the soft target's cross-entropy is that less the
    targets' shares of the two labels' logits;

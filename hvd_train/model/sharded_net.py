@@ -27,6 +27,7 @@ from hvd_train.model.catalogue import HEAD_LAYER
 from hvd_train.model.classifier import Accumulation, clip_unscaled
 from hvd_train.model.compute import is_loss_scaled
 from hvd_train.model.head_start import start_head
+from hvd_train.model.mixing import Mixer
 from hvd_train.model.network import Net, start_averages
 from hvd_train.model.sharded_head import head_scores, head_step, peers_average
 
@@ -57,6 +58,8 @@ class ShardedNet(Net):
             keras.Model(base.inputs, layer.input, name=base.name), cfg, seed, rank, precision, class_counts=class_counts
         )
         self.head, self.classes = head, classes
+        if self._mixer is not None:  # its classes are the head's, not the width of the features ``Net`` was given
+            self._mixer = Mixer(cfg.data.mixup, cfg.data.cutmix, classes)
         self.first, self.count = shard_range(classes, head.parallel, head.shard)
         self.kernel, self.bias = layer.kernel, layer.bias
         start_head(self.kernel, self.bias, self.first, classes, seed)

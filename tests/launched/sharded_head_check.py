@@ -56,11 +56,13 @@ def batch(step):
 
 
 def mixing(step):
-    """A mixed batch's second labels (one row's the same as its first) and the first's shares."""
+    """A mixed batch's second labels (one row's the same as its first) and the first's shares (one 0, one 1)."""
     rng = np.random.default_rng(5000 + 1000 * step + ctx.rank)
     second = rng.integers(0, CLASSES, size=BATCH).astype("int32")
     second[0] = batch(step)[1].numpy()[0]
-    return tf.constant(second), tf.constant(rng.uniform(0.0, 1.0, size=BATCH).astype("float32"))
+    share = rng.uniform(0.0, 1.0, size=BATCH).astype("float32")
+    share[2], share[3] = 0.0, 1.0  # all the second's, all the first's
+    return tf.constant(second), tf.constant(share)
 
 
 def relative(a, b):
