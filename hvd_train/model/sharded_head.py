@@ -6,7 +6,8 @@ head (a Dense softmax layer: few FLOPs, C x F parameters) is split. Rank
 ``j`` of a group holds classes ``[first, first + count)`` (``groups.shard_range``)
 of the kernel and bias. One step of the head, on every rank of a group:
 
-1. the group allgathers its features, labels and weights (``G B`` rows);
+1. the group allgathers its features, labels and weights (``G B`` rows;
+   a mixed batch's second labels with the labels, its shares with the weights);
 2. each rank computes the logits of its classes for all ``G B`` rows;
 3. the softmax cross-entropy is made exact across shards from one more
    allgather of five numbers a row and shard (six for a mixed batch): the shard's largest logit,
@@ -88,20 +89,23 @@ def head_step(
     parallel = groups.parallel
     batch = tf.shape(features)[0]
     count = tf.shape(kernel)[1]
-    all_weights = groups.gather(tf.cast(weights, tf.float32), "head_step.weights")
-    rows, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_step")
+    second = None if mixed is None else mixed[0]
+    rows, logits, local, mine, all_second = _group_logits(
+        features, labels, kernel, bias, first, groups, "head_step", second
+    )
+    if mixed is None:
+        all_weights = groups.gather(tf.cast(weights, tf.float32), "head_step.weights")
+        share = tf.ones_like(all_weights)  # the first label's share of each row's target
+    else:  # the shares gathered with the weights: one exchange
+        paired = tf.stack([tf.cast(weights, tf.float32), tf.cast(mixed[1], tf.float32)], axis=1)
+        all_weights, share = tf.unstack(groups.gather(paired, "head_step.weights_shares"), axis=1)
     largest = tf.reduce_max(logits, axis=1)
     summed = tf.reduce_sum(tf.exp(logits - largest[:, None]), axis=1)
     label_logit = tf.where(mine, tf.gather(logits, local, batch_dims=1), 0.0)
     best = tf.cast(tf.argmax(logits, axis=1, output_type=tf.int32) + first, tf.float64)
     columns = [largest, summed, label_logit, tf.reduce_sum(logits, axis=1)]
-    share = tf.ones_like(all_weights)  # the first label's share of each row's target
     if mixed is not None:
-        second, share = (
-            groups.gather(tf.cast(mixed[0], tf.int32), "head_step.second"),
-            groups.gather(tf.cast(mixed[1], tf.float32), "head_step.share"),
-        )
-        local_b = second - first
+        local_b = all_second - first
         mine_b = (local_b >= 0) & (local_b < count)
         local_b = tf.where(mine_b, local_b, 0)
         columns.append(tf.where(mine_b, tf.gather(logits, local_b, batch_dims=1), 0.0))
@@ -142,15 +146,21 @@ def peers_average(grads: list, groups: HeadGroups) -> list:
     return groups.peers_average(grads, "head.peers")
 
 
-def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups, name: str):
-    """The group's rows (float32), the logits of this rank's classes for them, and where each row's label
-    falls in this shard (``local``, valid where ``mine``)."""
+def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups, name: str, second=None):
+    """The group's rows (float32), the logits of this rank's classes for them, where each row's label falls in
+    this shard (``local``, valid where ``mine``), and the group's ``second`` labels of a mixed batch (gathered
+    with the labels: one exchange), else None."""
     rows = tf.cast(groups.gather(features, f"{name}.features"), tf.float32)
-    all_labels = groups.gather(tf.cast(labels, tf.int32), f"{name}.labels")
+    all_second = None
+    if second is None:
+        all_labels = groups.gather(tf.cast(labels, tf.int32), f"{name}.labels")
+    else:
+        pairs = tf.stack([tf.cast(labels, tf.int32), tf.cast(second, tf.int32)], axis=1)
+        all_labels, all_second = tf.unstack(groups.gather(pairs, f"{name}.label_pairs"), axis=1)
     logits = tf.matmul(rows, kernel) + bias
     local = all_labels - first
     mine = (local >= 0) & (local < tf.shape(kernel)[1])
-    return rows, logits, tf.where(mine, local, 0), mine
+    return rows, logits, tf.where(mine, local, 0), mine, all_second
 
 
 def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroups, k: int = 5):
@@ -168,7 +178,7 @@ def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroup
     """
     parallel = groups.parallel
     batch = tf.shape(features)[0]
-    _, logits, local, mine = _group_logits(features, labels, kernel, bias, first, groups, "head_scores")
+    _, logits, local, mine, _ = _group_logits(features, labels, kernel, bias, first, groups, "head_scores")
     largest = tf.reduce_max(logits, axis=1)
     stats = tf.stack(
         [
