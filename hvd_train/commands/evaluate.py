@@ -93,9 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 "give one (its labels split as the run's --label-separator).",
                 agreed=True,
             )
-        table = dataclasses.replace(
-            table, multi_label=True, label_separator=str(trained.data.get("label_separator") or "")
-        )
+        table = trained.table_options(table)
     # Other tools' records are read as the run read its own (the same labels, the same names), but for what is given.
     records = dataclasses.replace(record_options(args, trained.data, trained.classes), split=args.data_split)
     given = any(getattr(args, name) is not None for name in RECORD_FIELDS)
@@ -146,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
 def _report(args, ctx, trained, images, result, s3) -> None:
     """Rank 0: the skipped images, ``evaluation.json``, the printed table and ``confusion.png``."""
     from hvd_train.data.images import why_undecodable
-    from hvd_train.errors import UserError
     from hvd_train.log import get_logger
     from hvd_train.results import plots
 
@@ -173,13 +170,7 @@ def _report(args, ctx, trained, images, result, s3) -> None:
         "seconds": round(result.seconds, 3),
         "skipped_images": skipped,
     }
-    path = args.report or os.path.join(args.model_dir, "evaluation.json")
-    try:
-        files.write_json(path, report)
-    except OSError as e:
-        raise UserError(
-            f"cannot write {path} ({e.strerror or e}); pass --report with a folder you can write."
-        ) from None
+    path = _write_report(args, report)
     width = max(len(c) for c in trained.classes)
     print(f"images    {result.count}")
     print(f"accuracy  {result.accuracy:.4f}")
@@ -212,7 +203,6 @@ def _report(args, ctx, trained, images, result, s3) -> None:
 def _report_multi(args, ctx, trained, result, skipped: list[dict]) -> None:
     """Rank 0: a multi-label run's ``evaluation.json`` and printed scores (counts, precision, recall, F1 and
     average precision per class; the worst ``SHOWN`` by average precision when there are many classes)."""
-    from hvd_train.errors import UserError
     from hvd_train.log import get_logger
     from hvd_train.results import plots
     from hvd_train.results.multilabel import scores
@@ -226,13 +216,7 @@ def _report_multi(args, ctx, trained, result, skipped: list[dict]) -> None:
         "world_size": ctx.size,
         "skipped_images": skipped,
     }
-    path = args.report or os.path.join(args.model_dir, "evaluation.json")
-    try:
-        files.write_json(path, report)
-    except OSError as e:
-        raise UserError(
-            f"cannot write {path} ({e.strerror or e}); pass --report with a folder you can write."
-        ) from None
+    path = _write_report(args, report)
 
     def shown(x) -> str:
         return "-" if x is None else f"{x:.4f}"
@@ -253,3 +237,21 @@ def _report_multi(args, ctx, trained, result, skipped: list[dict]) -> None:
         numbers = "  ".join(f"{shown(c[k]):<9}" for k in ("precision", "recall", "f1", "ap"))
         print(f"  {name:<{width}}  {c['positives']:<9}  {numbers}".rstrip())
     get_logger().info("wrote %s", path)
+
+
+def _write_report(args, report: dict) -> str:
+    """Writes ``report`` to ``--report`` (default ``MODEL_DIR/evaluation.json``); returns its path.
+
+    Raises:
+        UserError: the file cannot be written (one line naming it and the fix).
+    """
+    from hvd_train.errors import UserError
+
+    path = args.report or os.path.join(args.model_dir, "evaluation.json")
+    try:
+        files.write_json(path, report)
+    except OSError as e:
+        raise UserError(
+            f"cannot write {path} ({e.strerror or e}); pass --report with a folder you can write."
+        ) from None
+    return path

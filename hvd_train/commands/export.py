@@ -254,8 +254,6 @@ def _calibration(args, data):
 
 
 def _check_images(args, data, trained, ctx):
-    import dataclasses
-
     from hvd_train.data.sources import checked, open_data
     from hvd_train.errors import UserError
     from hvd_train.results.export.parity import Images
@@ -265,10 +263,7 @@ def _check_images(args, data, trained, ctx):
         from hvd_train.config import DataConfig
 
         s3 = DataConfig(s3_endpoint=args.s3_endpoint).s3_options()
-        table = args.table
-        if trained.multi_label:  # its labels split as the run's
-            separator = str(trained.data.get("label_separator") or "")
-            table = dataclasses.replace(table, multi_label=True, label_separator=separator)
+        table = trained.table_options(args.table)  # a multi-label run's labels split as the run's
         images = open_data(args.check_data, "--check-data", s3, classes=trained.classes, table=table)
         source = args.check_data
     else:

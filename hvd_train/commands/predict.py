@@ -119,9 +119,8 @@ def joiner(trained) -> str:
     """What joins a multi-label run's labels in a cell: its ``--label-separator``, else a space, or, where a
     class's name holds a space (a 0/1 column's header), the first of ``| ; + ~`` that no name holds (the file
     then trains as a CSV with that ``--label-separator``)."""
-    separator = str(trained.data.get("label_separator") or "")
-    if separator:
-        return separator
+    if trained.label_separator:
+        return trained.label_separator
     if not any(any(ch.isspace() for ch in name) for name in trained.classes):
         return " "
     return next((c for c in "|;+~" if not any(c in name for name in trained.classes)), "|")

@@ -67,6 +67,18 @@ class Trained:
         return bool(self.data.get("multi_label"))
 
     @property
+    def label_separator(self) -> str:
+        """What split a multi-label run's cells of labels (``--label-separator``; "": spaces)."""
+        return str(self.data.get("label_separator") or "")
+
+    def table_options(self, table):
+        """``table`` (a ``data.table.TableOptions``) reading labels as the run read them: a multi-label run's
+        cells as sets, split by its separator; a single-label run's as they are."""
+        if not self.multi_label:
+            return table
+        return dataclasses.replace(table, multi_label=True, label_separator=self.label_separator)
+
+    @property
     def threshold(self) -> float:
         """A multi-label run's decision: the probability a label needs."""
         return float(self.data.get("threshold", 0.5))
