@@ -18,7 +18,7 @@ import pytest
 from hvd_train.distributed.start import ELASTIC_GLOO_TIMEOUT
 from hvd_train.model.schedules import WarmupSchedule
 
-from conftest import BIN, TINY, kill_group, output_of, read_json, start
+from conftest import BIN, HVD_TRAIN, TINY, kill_group, output_of, read_json, run, start
 
 pytestmark = pytest.mark.multiprocess
 
@@ -146,7 +146,7 @@ def rank_of(pid):
     return int(next(e.split(b"=", 1)[1] for e in environ if e.startswith(b"HOROVOD_RANK=")))
 
 
-def check_every_epoch_complete(out, samples, epochs):
+def check_every_epoch_complete(out, samples, epochs, train=TRAIN_IMAGES, held_out=25):
     """metrics.csv has every epoch; every image was trained on in every epoch (in a step that was kept);
     held-out images counted once."""
     summary = read_json(out / "summary.json")
@@ -155,8 +155,8 @@ def check_every_epoch_complete(out, samples, epochs):
     steps = committed(samples)
     for epoch in range(epochs):
         seen = {i for r in steps if r["epoch"] == epoch for i in r["ids"]}
-        assert seen == set(range(TRAIN_IMAGES)), f"epoch {epoch + 1} skipped {TRAIN_IMAGES - len(seen)} image(s)"
-    assert summary["val_images"] == 25
+        assert seen == set(range(train)), f"epoch {epoch + 1} skipped {train - len(seen)} image(s)"
+    assert summary["val_images"] == held_out
     return summary
 
 
@@ -255,3 +255,41 @@ def test_fewer_workers_than_min_np_fails_clearly_within_the_elastic_timeout(demo
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert left == [], "no process of the job is left"
+
+
+@pytest.mark.both_kerases
+def test_a_sharded_head_loses_a_worker_takes_another_and_its_groups_follow_the_world(demo_small, tmp_path):
+    """--head-parallel 2 on four workers: two groups of 2, so Horovod holds process sets of its own (each
+    group's, each shard's peers). Rank 0 is killed: the survivors finalize those sets alone (our Horovod patch:
+    unpatched, each of them aborted), the head is re-split from the commit over the three left (2 does not divide
+    3: groups of 3), and a fourth worker joins (groups of 2 again). The held-out images are the training images,
+    so ``evaluate`` of the saved model, one process holding the whole head, scores what the sharded head scored."""
+    hostfile, samples, out, seen = tmp_path / "hosts", tmp_path / "samples", tmp_path / "run", tmp_path / "seen"
+    write_hosts(hostfile, "127.0.0.1:1\n")
+    options = ["--data", demo_small, "--val-data", demo_small, "--head-parallel", "2", "--val-split", "0"]
+    proc = launch(hostfile, samples, out, 4, 3, 4, *options, epochs=5, seen=seen)
+    wait_until(proc, seen.exists, "discovery of the hosts")
+    write_hosts(hostfile, "127.0.0.1:1\nlocalhost:3\n")
+    wait_until(proc, lambda: any(r["epoch"] == 1 and r["step"] >= 1 for r in records(samples)), "epoch 2")
+    started = {rank_of(pid): pid for pid in pids(samples)}
+    assert sorted(started) == [0, 1, 2, 3] and host_of(started[0]) == "127.0.0.1"
+    subprocess.run(["kill", "-KILL", str(started[0])], check=True)
+    wait_until(proc, lambda: any(r["size"] == 3 for r in records(samples)), "training on 3 workers")
+    write_hosts(hostfile, "127.0.0.1:1\nlocalhost:4\n")  # 127.0.0.1 is out (its worker was lost): one more here
+    proc = finish(proc)
+    assert proc.returncode == 0, output_of(proc)
+    summary = check_every_epoch_complete(out, samples, 5, train=115, held_out=115)
+    lost, added = summary["elastic_resets"]
+    assert (lost["from"], lost["to"], lost["head_parallel"]) == (4, 3, 3), lost
+    assert (added["to"], added["head_parallel"]) == (4, 2), added
+    assert "--head-parallel 2 does not fit 3 worker(s) and 5 classes: the head is sharded over groups of 3" in (
+        proc.stderr
+    ), output_of(proc)
+    assert summary["world_size"] == 4 and summary["weights_identical_across_ranks"] is True
+    assert {r["size"] for r in records(samples)} == {4, 3}
+    report = tmp_path / "evaluation.json"
+    proc = run([*HVD_TRAIN, "evaluate", "--model-dir", out, "--data", demo_small, "--report", report])
+    assert proc.returncode == 0, output_of(proc)
+    scored = read_json(report)
+    assert scored["images"] == 115 and scored["accuracy"] == pytest.approx(summary["val_accuracy"], abs=1e-9)
+    assert scored["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)

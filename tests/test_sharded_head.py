@@ -134,9 +134,10 @@ def test_the_sharded_head_equals_the_data_parallel_head(tmp_path):
     label smoothing, and with mixed targets (mixup's and CutMix's: two labels and a share a row); held-out scores;
     the trained head gathered into one file and split again.
 
-    Four ranks: groups of 2 (two groups, whose peers average the head's gradients) and of 4 (one group, the
-    whole job, as two ranks in one group of 2 are)."""
-    np_, layouts = 4, "2,4"
+    Four ranks: groups of 2 (two groups, whose peers average the head's gradients), of 4 (one group, the
+    whole job, as two ranks in one group of 2 are) and of 1 (each rank the whole head, its exchanges local, the
+    peers every rank: what an elastic job falls back to in a world of a prime number of workers)."""
+    np_, layouts = 4, "1,2,4"
     program = [sys.executable, LAUNCHED / "sharded_head_check.py", tmp_path, layouts, "0,0.1"]
     proc = launch("horovodrun-gloo", np_, program)
     assert proc.returncode == 0, output_of(proc)

@@ -131,17 +131,17 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     _require(h.head_parallel >= -1, "--head-parallel", h.head_parallel, "use G >= 1, -1 (all workers) or 0 (no)")
     _require(
+        not (h.head_parallel and c.xla == "jit"),
+        "--xla",
+        c.xla,
+        "with --head-parallel the sharded head's step exchanges features inside the step; drop one of them",
+    )
+    _require(
         h.head_parallel or h.head_save == "auto",
         "--head-save",
         h.head_save,
         "it chooses how a sharded head is saved; add --head-parallel G, or drop --head-save",
     )
-    if h.head_parallel:
-        for flag, value, used, why in (
-            ("--elastic", True, h.elastic, "its Horovod process sets do not survive an elastic reset (horovod#4021)"),
-            ("--xla", c.xla, c.xla == "jit", "the sharded head's step exchanges features inside the step"),
-        ):
-            _require(not used, flag, value, f"with --head-parallel {why}; drop one of them")
     _multi_label(cfg)
     try:
         parse_every(r.checkpoint_every)

@@ -8,8 +8,9 @@ sums (``sharded_head``); across groups, the ranks that hold the same shard
 as data parallelism averages everything else over all N ranks.
 
 Horovod needs every process set registered on every rank in the same
-order; ``register`` does that once, after ``hvd.init`` in dynamic mode
-(``start.init(process_sets=True)``).
+order; ``register`` does that after ``hvd.init`` in dynamic mode
+(``start.init(process_sets=True)``), and an elastic job again after each
+reset, from the new world (``nearest_parallel``: the G it can have).
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def check(parallel: int, size: int, classes: int | None = None) -> None:
         )
 
 
+def nearest_parallel(asked: int, size: int, classes: int) -> int:
+    """The G nearest ``asked`` that divides ``size`` workers into groups, at most ``classes``: a tie goes to the
+    larger (the smaller shard). An elastic job's new world may not divide by the G it started with."""
+    fits = [g for g in range(1, size + 1) if size % g == 0 and g <= classes] or [1]
+    return min(fits, key=lambda g: (abs(g - asked), -g))
+
+
 @dataclass
 class HeadGroups:
     """This rank's process sets for the sharded head.
@@ -88,7 +96,8 @@ class HeadGroups:
     Attributes:
         layout: the split of the job.
         rank: this process's global rank.
-        group: the process set of this rank's group (Horovod's global set when there is one group).
+        group: the process set of this rank's group (Horovod's global set when there is one group; None for
+            groups of one rank, which an elastic job may fall back to: its exchanges are then the tensor itself).
         peers: the process set of this shard's holders in every group (None with one group).
     """
 
@@ -110,18 +119,24 @@ class HeadGroups:
 
     def gather(self, tensor, name: str):
         """``tensor`` of every rank of the group, in rank order, along the first axis."""
+        if self.group is None:
+            return _local(tensor)
         import horovod.tensorflow as hvd
 
         return hvd.allgather(tensor, process_set=self.group, name=name)
 
     def scatter_sum(self, tensor, name: str):
         """The group's sum of ``tensor``, cut along the first axis into equal parts: this rank's part."""
+        if self.group is None:
+            return _local(tensor)
         import horovod.tensorflow as hvd
 
         return hvd.reducescatter(tensor, op=hvd.Sum, process_set=self.group, name=name)
 
     def group_sum(self, tensor, name: str):
         """The group's sum of ``tensor``."""
+        if self.group is None:
+            return _local(tensor)
         import horovod.tensorflow as hvd
 
         return hvd.allreduce(tensor, op=hvd.Sum, process_set=self.group, name=name)
@@ -140,27 +155,48 @@ class HeadGroups:
 
         return hvd.grouped_allreduce(list(tensors), op=hvd.Average, process_set=self.peers, name=name)
 
-    def broadcast(self, array, name: str):
-        """Rank 0's ``array`` on every rank of the job (every rank calls this)."""
+    def broadcast(self, array, name: str, root: int = 0):
+        """Rank ``root``'s ``array`` on every rank of the job (every rank calls this)."""
         import horovod.tensorflow as hvd
 
-        return hvd.broadcast(array, root_rank=0, name=name)
+        return hvd.broadcast(array, root_rank=root, name=name)
+
+    def pass_back(self, rows, name: str):
+        """``rows`` sent to the rank of the group before this one (the last rank's to the first): what the
+        next one sent. Every rank of the group calls this; a group of one rank keeps its own."""
+        if self.group is None:
+            return _local(rows)
+        import horovod.tensorflow as hvd
+
+        splits = [0] * self.parallel
+        splits[(self.shard - 1) % self.parallel] = int(rows.shape[0])
+        received, _ = hvd.alltoall(rows, splits=splits, name=name, process_set=self.group)
+        return received
+
+
+def _local(tensor):
+    """An exchange within a group of one rank: the tensor itself, as a tensor (as Horovod's ops give it)."""
+    from hvd_train.compat import tf
+
+    return tf.identity(tensor)
 
 
 def register(layout: Layout, rank: int) -> HeadGroups:
     """Adds the groups' and the peers' process sets (every rank, same order) and gives this rank's.
 
     Needs Horovod started with dynamic process sets. A group of the whole job
-    is Horovod's global set (a duplicate set would be refused); a shard held
-    by one group has no peers to average with.
+    is Horovod's global set (a duplicate set would be refused), and a group
+    of one rank none (an elastic job's fallback: its exchanges are local); a
+    shard held by one group has no peers to average with, and a shard held by
+    every rank has the global set for peers.
     """
     import horovod.tensorflow as hvd
 
-    if layout.parallel == 1:
-        raise ValueError("a head sharded over one rank is not sharded: use the ordinary head")
-    groups = [
-        hvd.global_process_set if layout.groups == 1 else hvd.add_process_set(layout.group_ranks(g))
-        for g in range(layout.groups)
-    ]
-    peers = [None if layout.groups == 1 else hvd.add_process_set(layout.peer_ranks(j)) for j in range(layout.parallel)]
+    def process_set(ranks: list[int]):
+        if len(ranks) == layout.size:
+            return hvd.global_process_set
+        return None if len(ranks) == 1 else hvd.add_process_set(ranks)
+
+    groups = [process_set(layout.group_ranks(g)) for g in range(layout.groups)]
+    peers = [None if layout.groups == 1 else process_set(layout.peer_ranks(j)) for j in range(layout.parallel)]
     return HeadGroups(layout, rank, groups[layout.group_of(rank)], peers[layout.shard_of(rank)])

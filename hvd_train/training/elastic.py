@@ -11,6 +11,8 @@ What happens when a worker is lost, in order:
 3. ``sync``: the most advanced rank sends the job, the state, the history and
    the weights to every rank, new workers included (they build their model
    without a collective of their own).
+   A sharded head (``--head-parallel``) is built again on every rank, in
+   groups of the new world, and re-split from the commit (``elastic_head``).
 4. ``body`` runs the loop again: ``Loop.configure`` deals the rest of the
    epoch anew to the workers left (``TrainState.resize``), and the loop notes
    when training goes on (``history.resets``).
@@ -29,7 +31,8 @@ from hvd_train.distributed import elastic, gradients, start
 from hvd_train.distributed.context import Context
 from hvd_train.log import get_logger
 from hvd_train.model.network import Net
-from hvd_train.training import early_stop
+from hvd_train.model.sharded_net import ShardedNet
+from hvd_train.training import early_stop, elastic_head
 from hvd_train.training.audit import log_sample_event
 from hvd_train.training.job import History, Job
 from hvd_train.training.loop import Loop
@@ -74,11 +77,13 @@ class ElasticTraining(elastic.ElasticSession):
 
     def save(self) -> None:
         net = self.net
+        head = elastic_head.commit(net) if isinstance(net, ShardedNet) else None  # an exchange: before the rest
         self._saved = (
             [v.numpy() for v in net.variables],
             net.read_local(),
             self.state.copy(),
             copy.deepcopy(self.history),
+            head,
         )
         log_sample_event(self.cfg.run.sample_log, "commit", self.state)
 
@@ -88,12 +93,14 @@ class ElasticTraining(elastic.ElasticSession):
         if self._saved is None:  # lost a worker while setting up: set up again
             self.job = self.net = self.state = None
             return
-        values, local, state, history = self._saved
+        values, local, state, history, head = self._saved
         lost = self.state.step - state.step if self.state else 0
         log_sample_event(self.cfg.run.sample_log, "rollback", state)
         for variable, value in zip(self.net.variables, values):
             variable.assign(value)
         self.net.write_local(local)
+        if head is not None:
+            elastic_head.restore(self.net, head)
         self.state = state.copy()
         self.history = copy.deepcopy(history)
         self.history.resets.append(
@@ -121,19 +128,28 @@ class ElasticTraining(elastic.ElasticSession):
         # Horovod: the most advanced rank, an old worker, is the source of truth.
         # With each rank's Keras: a worker that joined on another is refused on every rank.
         seen = self.state.images_seen if self.state is not None else -1
-        gathered = ctx.allgather_object((seen, KERAS_MAJOR), name="progress")
-        start.refuse_mixed_kerases([major for _, major in gathered])
-        progress = [images for images, _ in gathered]
+        committed = self._saved[4] if self._saved is not None and self.state is not None else None
+        held = elastic_head.held(committed, self._saved[2].images_seen if committed is not None else -1)
+        gathered = ctx.allgather_object((seen, KERAS_MAJOR, held), name="progress")
+        start.refuse_mixed_kerases([major for _, major, _ in gathered])
+        progress = [images for images, _, _ in gathered]
         root = int(np.argmax(progress))
         if progress[root] < 0:
             return  # nobody has started: the body sets the run up together
+        holders = [h for _, _, h in gathered]
+        sharded = any(h is not None for h in holders)
+        if sharded:  # the latest commit of which every shard of the head is still held
+            root, sources = elastic_head.plan(holders)
         shared = ctx.broadcast_object(
             (self.job, self.state.to_dict() if ctx.rank == root else None, self.history if ctx.rank == root else None),
             name="job",
             root=root,
         )
         job, values, history = shared
-        if self.net is None:  # a new worker
+        if sharded:  # every rank: the head's groups are the new world's, and the step's exchanges with them
+            self.job = job
+            self.net = self._rebuilt(job)
+        elif self.net is None:  # a new worker
             self.job = job
             self.net = build_net(job, ctx, collective=False)
         self.state = TrainState.from_dict(values)
@@ -141,4 +157,18 @@ class ElasticTraining(elastic.ElasticSession):
         # Horovod: weights, optimizer state (BatchNorm statistics among the
         # weights) and the epoch's metric sums from the source rank.
         gradients.broadcast_variables(self.net.variables + self.net.metric_variables(), ctx, root=root)
+        if sharded:
+            elastic_head.respread(self.net, committed, holders, sources)
+            if self.history.resets:
+                self.history.resets[-1]["head_parallel"] = self.net.head.parallel
         self.save()
+
+    def _rebuilt(self, job: Job) -> Net:
+        """The net built again for this world, from this rank's commit where it has one (its head: ``respread``)."""
+        net = build_net(job, self.ctx, collective=False)
+        if self._saved is not None:
+            values, local = self._saved[:2]
+            for variable, value in zip(net.variables, values, strict=True):
+                variable.assign(value)
+            net.write_local(local)
+        return net

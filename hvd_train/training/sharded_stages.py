@@ -94,9 +94,20 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
     if not parallel:
         return None
     parallel = ctx.size if parallel == -1 else parallel
+    if cfg.horovod.elastic:  # the world an elastic job gets (after a reset too): the G nearest that fits it
+        asked, parallel = parallel, groups.nearest_parallel(parallel, ctx.size, classes)
+        if parallel != asked and ctx.is_root:
+            log.warning(
+                "--head-parallel %d does not fit %d worker(s) and %d classes: the head is sharded over groups of %d "
+                "(the nearest that does)",
+                asked,
+                ctx.size,
+                classes,
+                parallel,
+            )
     try:
         groups.check(parallel, ctx.size, classes)
-        if parallel == 1:
+        if cfg.horovod.head_parallel == 1 or (parallel == 1 and not cfg.horovod.elastic):
             raise UserError(
                 f"--head-parallel {cfg.horovod.head_parallel} shards the head over one worker, which shards nothing: "
                 f"drop --head-parallel (this job has {ctx.size} worker(s))."
