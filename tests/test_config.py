@@ -52,7 +52,6 @@ def test_boolean_flags_and_yaml_roundtrip(tmp_path):
         (["--early-stop", "3", "--val-split", "0"], "--early-stop"),
         (["--head-parallel", "-2"], "--head-parallel"),
         (["--head-save", "files"], "--head-save"),
-        (["--head-parallel", "2", "--xla", "jit"], "--xla"),
         (["--min-images-per-label", "0"], "--min-images-per-label"),
         (["--image-root", "elsewhere"], "--image-root"),  # --data d is a folder: the option would do nothing
         (["--label-column", "kind"], "--label-column"),

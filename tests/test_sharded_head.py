@@ -331,19 +331,23 @@ RECIPE = [
 ]
 # Nothing before the head trains: the backbone frozen, no normalisation of the head's input.
 FROZEN = ["--optimizer", "adam", "--freeze-backbone", "--head-norm", "none", "--grad-accum", "2", "--deterministic"]
+# The backbone's forward and backward passes compiled by XLA, the head's exchanges between them (--grad-accum is
+# refused with --xla jit).
+XLA = ["--xla", "jit", "--deterministic", "--label-smoothing", "0.1", "--mixup", "0.4", "--base-lr", "0.5"]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.both_kerases
-@pytest.mark.parametrize("options", [RECIPE, FROZEN], ids=["recipe", "frozen"])
+@pytest.mark.parametrize("options", [RECIPE, FROZEN, XLA], ids=["recipe", "frozen", "xla"])
 def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small, tmp_path, options):
     """The same job twice on two ranks, with the head whole on each and split over both: both start from the
     same head (``head_start``) and end with the same model, every weight to 1e-4 relative. With mixup and CutMix
     (each step one of them, its targets through the split loss as two labels and a share a row), label smoothing,
     --grad-accum 2 (the head's passes added up, applied with the backbone's), --ema (the head's average moved with
     the backbone's, and saved), --clip-value and --clip-norm (the global norm of the whole model's averaged
-    gradients, the head's shards of the group included), then --head-lr-mult; and with nothing trainable before
-    the head, under Adam (the backbone's optimizer still counts the passes Adam's correction of the head reads)."""
+    gradients, the head's shards of the group included), then --head-lr-mult; with nothing trainable before
+    the head, under Adam (the backbone's optimizer still counts the passes Adam's correction of the head reads);
+    and with --xla jit, each way compiled by XLA (the split step: the backbone's passes, around the exchanges)."""
     import numpy as np
 
     from hvd_train.compat import keras
@@ -353,9 +357,11 @@ def test_a_sharded_head_trains_the_weights_a_data_parallel_run_trains(demo_small
     for name, split in (("whole", []), ("split", ["--head-parallel", "2"])):
         out = tmp_path / name
         train = [*HVD_TRAIN, "train", "--data", demo_small, "--val-data", demo_small, "--output", out, *TINY]
-        proc = launch("horovodrun-gloo", 2, [*train, *options, *split])
+        # --xla jit: TensorFlow's own lines too, which say when XLA compiled a cluster.
+        proc = launch("horovodrun-gloo", 2, [*train, *options, *split], HVD_TRAIN_VERBOSE=str(int(options is XLA)))
         assert proc.returncode == 0, output_of(proc)
-        assert "accumulation 2" in proc.stderr, output_of(proc)
+        assert ("accumulation 2" in proc.stderr) == ("--grad-accum" in options), output_of(proc)
+        assert ("Compiled cluster using XLA" in proc.stderr) == (options is XLA), output_of(proc)
         models[name] = keras.models.load_model(out / "model.keras", compile=False)
     for layer in models["whole"].layers:
         for mine, theirs in zip(layer.get_weights(), models["split"].get_layer(layer.name).get_weights()):

@@ -131,12 +131,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     )
     _require(h.head_parallel >= -1, "--head-parallel", h.head_parallel, "use G >= 1, -1 (all workers) or 0 (no)")
     _require(
-        not (h.head_parallel and c.xla == "jit"),
-        "--xla",
-        c.xla,
-        "with --head-parallel the sharded head's step exchanges features inside the step; drop one of them",
-    )
-    _require(
         h.head_parallel or h.head_save == "auto",
         "--head-save",
         h.head_save,

@@ -64,6 +64,12 @@ class ShardedNet(Net):
         self.kernel, self.bias = layer.kernel, layer.bias
         start_head(self.kernel, self.bias, self.first, classes, seed)
         self._smoothing = cfg.optim.label_smoothing
+        # --xla jit: the backbone's forward pass compiled, and with it the backward pass TensorFlow derives from
+        # it (its intermediate values kept as outputs, not computed again); the head's exchanges run between the
+        # two, outside XLA (Horovod's collectives have no XLA kernel on CPUs, and allgathers none anywhere).
+        self._forward = self._features
+        if cfg.compute.xla == "jit":
+            self._forward = tf.function(self._features, jit_compile=True)
         self._head_lr_mult = cfg.optim.head_lr_mult
         self.head_optimizer = optimizers.make(cfg.optim, variables=[self.kernel, self.bias])
         self._optim = cfg.optim
@@ -81,6 +87,9 @@ class ShardedNet(Net):
         if keras_3() and self._accum > 1:
             variables = [*self.model.trainable_variables, self.kernel, self.bias]
             self._accumulation = Accumulation(variables, self._accum, self.optimizer)
+
+    def _features(self, images):
+        return self.model(images, training=True)
 
     def _accumulate(self, passes: int) -> None:
         """Not the model's: this step adds up the backbone's gradients and the head shard's together
@@ -141,7 +150,7 @@ class ShardedNet(Net):
         """The forward pass on ``tape`` and the sharded head's step (``head_step``) off it: the step, and the sum
         by which the loss reaches the backbone through its features. ``mixed`` (``mixing.Mixed``): a mixed batch's
         two labels and share a row, whose first labels the step takes for ``labels``."""
-        features = self.model(images, training=True)
+        features = self._forward(images)
         with tape.stop_recording():
             step = head_step(
                 features,
