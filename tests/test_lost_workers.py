@@ -16,6 +16,18 @@ LOST = (
     "Gloo error: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:4461 "
     "[Op:HorovodAllreduce]"
 )
+# A node of ours in a compiled step (the sharded head's allgather): its op type is not in the message, the
+# wrapper that made the node is.
+IN_A_STEP = (
+    "Graph execution error:\n\nDetected at node while/head_step.features defined at (most recent call last):\n"
+    '  File "/venv/bin/hvd-train", line 8, in <module>\n\n'
+    '  File "/src/hvd_train/distributed/groups.py", line 128, in gather\n\n'
+    '  File "/venv/lib/python3.11/site-packages/horovod/tensorflow/mpi_ops.py", line 222, in allgather\n\n'
+    '  File "<string>", line 401, in horovod_allgather\n\n'
+    "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to allreduce, "
+    "allgather or broadcast a tensor after one of the ranks finished execution.\n"
+    "\t [[{{node while/head_step.features}}]] [Op:__inference__run_steps_2363]"
+)
 SHUT_DOWN = (
     "{{function_node __wrapped__HorovodGroupedAllreduce_device_/job:localhost/replica:0/task:0/device:CPU:0}} "
     "Horovod has been shut down. This was caused by an exception on one of the ranks [Op:HorovodGroupedAllreduce]"
@@ -27,6 +39,9 @@ SHUT_DOWN = (
     [
         ("UnknownError", LOST, True),
         ("UnknownError", SHUT_DOWN, True),
+        ("UnknownError", IN_A_STEP, True),
+        # A wrapper's name in a path or a sentence is no frame of it.
+        ("UnknownError", "cannot read /data/horovod_allgather_notes.txt", False),
         # An error that mentions Horovod but no collective op: a fault of its own, never retried.
         ("UnknownError", "py_function failed: cannot write /runs/x (Horovod timeline)", False),
         ("InvalidArgumentError", LOST, False),

@@ -14,8 +14,14 @@ from hvd_train.distributed.context import Context
 from hvd_train.errors import UserError
 
 # What TensorFlow says when a Horovod collective fails: the op's name in the
-# message (eager: "__wrapped__HorovodAllreduce_..."; graphs: "{{node HorovodAllreduce_...}}").
-_COLLECTIVE_OP = re.compile(r"Horovod(Grouped)?(Allreduce|Allgather|Broadcast|Alltoall|Reducescatter)")
+# message (eager: "__wrapped__HorovodAllreduce_..."; graphs: "{{node HorovodAllreduce_...}}"),
+# or, for a node named by us in a compiled step ("{{node while/head_step.features}}"),
+# the op's Python wrapper as the last frame of where the node was defined
+# ("File "<string>", line 401, in horovod_allgather").
+_COLLECTIVE_OP = re.compile(
+    r"Horovod(Grouped)?(Allreduce|Allgather|Broadcast|Alltoall|Reducescatter)"
+    r"|\bin horovod_(grouped_)?(allreduce|allgather|broadcast|alltoall|reducescatter)\b"
+)
 
 # Collectives that may fail in a row, with no commit between them, before an
 # elastic job stops treating the failure as a lost worker.
