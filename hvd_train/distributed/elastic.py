@@ -79,7 +79,8 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
     ``--min-np`` workers), ``ctx`` is refreshed, ``session.reset`` adapts
     to it, ``session.sync`` brings every rank (new ones included) to the
     same state, and the body runs again. New workers announced by the driver
-    surface at the next commit and join the same way, without a rollback.
+    surface at the next commit and join the same way, without a rollback;
+    so do hosts taken away (synced too: a sharded head's groups follow).
 
     Unlike ``horovod.tensorflow.elastic.run``, grouped allreduces count too,
     failures during ``sync`` included, and any other error ends the job
@@ -89,7 +90,7 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
     """
     import horovod.tensorflow as hvd
     from horovod.common.elastic import State, run_fn
-    from horovod.common.exceptions import HorovodInternalError
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
     failures = 0
 
@@ -134,6 +135,14 @@ def run_elastic(session: ElasticSession, ctx: Context, on_lost=None):
 
         def commit(self):
             committed(guarded(super().commit))()
+
+        def check_host_updates(self):
+            # Horovod skips the sync when hosts were only removed (every rank's state is the same). A sharded
+            # head is split again for the new world in the sync, so every change of hosts syncs.
+            try:
+                super().check_host_updates()
+            except HostsUpdatedInterrupt:
+                raise HostsUpdatedInterrupt(False) from None
 
     def reset():
         if on_lost is not None:

@@ -83,10 +83,12 @@ def check(parallel: int, size: int, classes: int | None = None) -> None:
 
 
 def nearest_parallel(asked: int, size: int, classes: int) -> int:
-    """The G nearest ``asked`` that divides ``size`` workers into groups, at most ``classes``: a tie goes to the
-    larger (the smaller shard). An elastic job's new world may not divide by the G it started with."""
-    fits = [g for g in range(1, size + 1) if size % g == 0 and g <= classes] or [1]
-    return min(fits, key=lambda g: (abs(g - asked), -g))
+    """The G nearest ``asked`` that divides ``size`` workers into groups and whose shards are no larger: the
+    smallest such G from ``asked`` up, else the whole world (fewer workers than ``asked``); at most ``classes``,
+    else the largest G that fits them. An elastic job's new world may not divide by the G it started with; its
+    shards must still fit each worker's memory, as the G asked made them."""
+    fits = [g for g in range(1, size + 1) if size % g == 0 and g <= classes]
+    return next((g for g in fits if g >= min(asked, size)), fits[-1])
 
 
 @dataclass
@@ -195,7 +197,16 @@ def register(layout: Layout, rank: int) -> HeadGroups:
     def process_set(ranks: list[int]):
         if len(ranks) == layout.size:
             return hvd.global_process_set
-        return None if len(ranks) == 1 else hvd.add_process_set(ranks)
+        if len(ranks) == 1:
+            return None
+        try:
+            return hvd.add_process_set(ranks)
+        except ValueError as e:  # a worker lost while the sets were made: as any collective that failed with it
+            if "shutting down" not in str(e):
+                raise
+            from horovod.common.exceptions import HorovodInternalError
+
+            raise HorovodInternalError(e) from None
 
     groups = [process_set(layout.group_ranks(g)) for g in range(layout.groups)]
     peers = [None if layout.groups == 1 else process_set(layout.peer_ranks(j)) for j in range(layout.parallel)]

@@ -61,6 +61,7 @@ class ElasticTraining(elastic.ElasticSession):
         self.state: TrainState | None = None
         self.history = History()
         self._saved = None
+        self._pending = None  # the head of a commit under way (``elastic_head.agree``)
         self._lost_at = 0.0
 
     def body(self, commit) -> None:
@@ -76,8 +77,10 @@ class ElasticTraining(elastic.ElasticSession):
         Loop(self.job, self.ctx, self.net, self.state, self.stop, self.history, commit=commit).run()
 
     def save(self) -> None:
-        net = self.net
-        head = elastic_head.commit(net) if isinstance(net, ShardedNet) else None  # an exchange: before the rest
+        net, head = self.net, None
+        if isinstance(net, ShardedNet):  # exchanges, before the rest: a failure leaves the last commit as it was
+            head = self._pending = elastic_head.commit(net, self.state.images_seen)
+            elastic_head.agree(net)
         self._saved = (
             [v.numpy() for v in net.variables],
             net.read_local(),
@@ -85,13 +88,14 @@ class ElasticTraining(elastic.ElasticSession):
             copy.deepcopy(self.history),
             head,
         )
+        self._pending = None
         log_sample_event(self.cfg.run.sample_log, "commit", self.state)
 
     def restore(self) -> None:
         self._lost_at = time.time()
         log.warning("elastic: a collective failed (a worker was lost); rolling back to the last commit")
         if self._saved is None:  # lost a worker while setting up: set up again
-            self.job = self.net = self.state = None
+            self.job = self.net = self.state = self._pending = None
             return
         values, local, state, history, head = self._saved
         lost = self.state.step - state.step if self.state else 0
@@ -121,6 +125,7 @@ class ElasticTraining(elastic.ElasticSession):
             self.history.resets[-1].update(to=self.ctx.size, since=self._lost_at)
         else:
             self.history.resets.append({"to": self.ctx.size, "lost_steps": 0, "lost_images": 0, "since": self._lost_at})
+        self._lost_at = 0.0  # the next change is timed from its own start
         log.info("elastic: %d worker(s) now; this is rank %d", self.ctx.size, self.ctx.rank)
 
     def sync(self) -> None:
@@ -129,17 +134,18 @@ class ElasticTraining(elastic.ElasticSession):
         # With each rank's Keras: a worker that joined on another is refused on every rank.
         seen = self.state.images_seen if self.state is not None else -1
         committed = self._saved[4] if self._saved is not None and self.state is not None else None
-        held = elastic_head.held(committed, self._saved[2].images_seen if committed is not None else -1)
-        gathered = ctx.allgather_object((seen, KERAS_MAJOR, held), name="progress")
+        offers = elastic_head.offers(committed, self._pending)
+        gathered = ctx.allgather_object((seen, KERAS_MAJOR, offers), name="progress")
         start.refuse_mixed_kerases([major for _, major, _ in gathered])
         progress = [images for images, _, _ in gathered]
         root = int(np.argmax(progress))
         if progress[root] < 0:
             return  # nobody has started: the body sets the run up together
-        holders = [h for _, _, h in gathered]
-        sharded = any(h is not None for h in holders)
+        holders = [held for _, _, held in gathered]
+        sharded = any(holders)
         if sharded:  # the latest commit of which every shard of the head is still held
-            root, sources = elastic_head.plan(holders)
+            chosen = elastic_head.plan(holders)
+            root = chosen.root
         shared = ctx.broadcast_object(
             (self.job, self.state.to_dict() if ctx.rank == root else None, self.history if ctx.rank == root else None),
             name="job",
@@ -158,7 +164,7 @@ class ElasticTraining(elastic.ElasticSession):
         # weights) and the epoch's metric sums from the source rank.
         gradients.broadcast_variables(self.net.variables + self.net.metric_variables(), ctx, root=root)
         if sharded:
-            elastic_head.respread(self.net, committed, holders, sources)
+            elastic_head.respread(self.net, [committed, self._pending], chosen)
             if self.history.resets:
                 self.history.resets[-1]["head_parallel"] = self.net.head.parallel
         self.save()

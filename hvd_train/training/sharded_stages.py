@@ -99,7 +99,7 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
         if parallel != asked and ctx.is_root:
             log.warning(
                 "--head-parallel %d does not fit %d worker(s) and %d classes: the head is sharded over groups of %d "
-                "(the nearest that does)",
+                "(the nearest that does with shards no larger)",
                 asked,
                 ctx.size,
                 classes,

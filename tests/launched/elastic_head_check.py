@@ -3,12 +3,14 @@
 Usage: python elastic_head_check.py OUT_DIR
 Four ranks hold a head of 11 classes in groups of 2 (``Layout(4, 2)``:
 shards of 5 and 6 columns), then in one group of 4, and commit it
-(``elastic_head.commit``: each rank keeps its shard and the next one's). Then, as after a reset, some
-ranks play workers that were lost and came back empty (new workers, who
-hold nothing); the others say what they hold, ``plan`` picks the senders
-and ``respread`` gives each rank its columns in a new layout of 1, 2 or 4
-ranks a group. A kernel, a bias and one optimizer slot, each with values of
-its own, so that an array taken for another shows. Rounds of 5 kernel
+(``elastic_head.commit``: each rank keeps its shard and the next one's;
+``agree``). Then, as after a reset, some ranks play workers that were
+lost and came back empty (new workers, who hold nothing); the others say
+what they hold, ``plan`` picks the senders and ``respread`` gives each
+rank its columns in a new layout of 1, 2 or 4 ranks a group. Last, a
+commit that a lost worker cut short: two ranks made it, one only got its
+part. A kernel, a bias and one optimizer slot, each with values of its
+own, so that an array taken for another shows. Rounds of 5 kernel
 columns: the shard of 5 sends nothing in the second round of 2. Each rank
 writes the largest differences from the head it should hold to
 OUT_DIR/rank{R}.json.
@@ -71,14 +73,38 @@ def largest_difference(head) -> float:
     )
 
 
+def resplit(key, lost, offered, commits):
+    """As after a reset: the ranks in ``lost`` came back empty, the others offer ``offered``; the head re-split into
+    groups of 1, 2 and 4 from ``commits`` (this rank's), each checked; or the plan's refusal."""
+    mine = () if ctx.rank in lost else offered
+    holders = ctx.allgather_object(mine, name=f"held.{key}")
+    try:
+        chosen = elastic_head.plan(holders)
+    except UserError as e:
+        results[key] = {"refused": str(e)}
+        return
+    for g in (1, 2, 4):
+        new = Head(registered[g], filled=False)
+        elastic_head.respread(new, [] if ctx.rank in lost else commits, chosen)
+        results[f"{key},G'={g}"] = {
+            "difference": largest_difference(new),
+            "root": chosen.root,
+            "key": chosen.key,
+            "sources": chosen.sources,
+        }
+
+
 results = {}
+commits = {}
 # Lost and back empty, with groups of 2 (each rank holds both shards of its group): one worker; both of a
 # group; both holders of shard 0's own copy; three of four (one survivor holds the head). With one group of 4
 # (a rank holds its shard and the next): shard 0 from the copy of rank 3 alone; two apart; two neighbours,
 # whose shard 1 no one holds.
 CASES = {2: ([0], [0, 1], [0, 2], [1, 2, 3]), 4: ([0], [1, 3], [0, 1])}
-for old_g, losses in CASES.items():
-    saved = elastic_head.commit(Head(registered[old_g], filled=True))
+for progress, (old_g, losses) in enumerate(CASES.items(), start=1):
+    head = Head(registered[old_g], filled=True)
+    saved = commits[old_g] = elastic_head.commit(head, 100 * progress)
+    elastic_head.agree(head)
     nxt = (saved.shard + 1) % old_g
     first, count = shard_range(CLASSES, old_g, nxt)
     results[f"G={old_g}"] = {
@@ -89,20 +115,11 @@ for old_g, losses in CASES.items():
         "held": sorted(saved.held()),
     }
     for lost in losses:
-        mine = None if ctx.rank in lost else saved
-        holders = ctx.allgather_object(elastic_head.held(mine, 100), name=f"held.{old_g}.{lost}")
-        try:
-            root, sources = elastic_head.plan(holders)
-        except UserError as e:
-            results[f"G={old_g},lost={lost}"] = {"refused": str(e)}
-            continue
-        for g in (1, 2, 4):
-            new = Head(registered[g], filled=False)
-            elastic_head.respread(new, mine, holders, sources)
-            results[f"G={old_g},lost={lost},G'={g}"] = {
-                "difference": largest_difference(new),
-                "root": root,
-                "sources": sources,
-            }
+        resplit(f"G={old_g},lost={lost}", lost, elastic_head.offers(saved, None), [saved])
+# Rank 3 lost during the commit in groups of 4 (at 200): ranks 0 and 1 made it, rank 2 only got its part and
+# offers it beside its last commit (groups of 2, at 100).
+made = ctx.rank in (0, 1)
+offered = elastic_head.offers(commits[4], None) if made else elastic_head.offers(commits[2], commits[4])
+resplit("partial", [3], offered, [commits[4]] if made else [commits[2], commits[4]])
 with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
     json.dump(results, f)
