@@ -64,6 +64,13 @@ def test_a_commit_some_ranks_made_and_others_only_exchanged_goes_on_from_those_t
     assert plan(holders) == Plan(0, (200, 4, 4), {0: 0, 1: 0, 2: 1, 3: 2})
     # A commit no rank holds whole (only its head's parts) is no commit to go on from.
     assert plan([(held(100, [0, 1], parallel=2), held(200, [0, 1, 2, 3], whole=False))]).key == (100, 4, 2)
+    # A reset's own commit (3 workers now) that failed at its agreement on every rank: its head's parts are whole
+    # together, and the rest of it is every commit's at those images (rank 0's, in the old layout).
+    after = [(held(200, [0, 1]),), (held(200, [0, 1], 3, 3, whole=False),), (held(200, [1, 2], 3, 3, whole=False),)]
+    assert plan(after) == Plan(0, (200, 3, 3), {0: 1, 1: 1, 2: 2})
+    # One rank holds both the last commit and the one it was making, of the same images and layout, as another
+    # rank of it (a worker replaced): it sends the shards of both.
+    assert plan([(held(10, [0, 1]), held(10, [2, 3], whole=False)), (), (), ()]).sources == {0: 0, 1: 0, 2: 0, 3: 0}
     # The same images in two layouts (a reset's own commit, made in some groups only): never mixed.
     mixed = [(held(200, [0, 1]),), (held(200, [1, 2], size=3, parallel=3),), (held(200, [3, 0]),)]
     with pytest.raises(UserError) as refused:
@@ -84,7 +91,7 @@ def test_a_commit_keeps_the_next_shard_and_the_head_is_re_split_from_any_survivo
             shard = rank % old
             assert results[f"G={old}"] == {"next": 0.0, "held": sorted({shard, (shard + 1) % old})}
         splits = {key: r for key, r in results.items() if "G'=" in key}
-        assert len(splits) == 3 * (4 + 2 + 1), sorted(results)
+        assert len(splits) == 3 * (4 + 2 + 1 + 1), sorted(results)
         for key, r in splits.items():
             assert r["difference"] == 0.0, (rank, key, r)
         # Shard 0 of the group of 4, its own holder lost, comes from rank 3's copy.
@@ -92,6 +99,7 @@ def test_a_commit_keeps_the_next_shard_and_the_head_is_re_split_from_any_survivo
         # Rank 3 lost during the commit of the group of 4: the commit two ranks made, with rank 2's part of it.
         for g in (1, 2, 4):
             assert splits[f"partial,G'={g}"]["key"] == [200, 4, 4] and splits[f"partial,G'={g}"]["root"] == 0
+        assert splits["two of one rank,G'=2"]["sources"] == {"0": 0, "1": 0, "2": 0, "3": 0}
         refused = results["G=4,lost=[0, 1]"]["refused"]
         assert refused.startswith("elastic: every worker that held shard(s) 1 of the head") and "\n" not in refused
     assert [shard_range(11, 2, j) for j in range(2)] == [(0, 5), (5, 6)]  # the uneven shards the check relies on

@@ -94,8 +94,8 @@ class ElasticTraining(elastic.ElasticSession):
     def restore(self) -> None:
         self._lost_at = time.time()
         log.warning("elastic: a collective failed (a worker was lost); rolling back to the last commit")
-        if self._saved is None:  # lost a worker while setting up: set up again
-            self.job = self.net = self.state = self._pending = None
+        if self._saved is None:  # lost a worker while setting up: set up again (or from those that committed)
+            self.job = self.net = self.state = None
             return
         values, local, state, history, head = self._saved
         lost = self.state.step - state.step if self.state else 0

@@ -155,8 +155,10 @@ def offers(saved: HeadCommit | None, pending: HeadCommit | None) -> tuple[Held, 
 def plan(holders: list[tuple[Held, ...]]) -> Plan:
     """The commit the job goes on from, the rank that sends the rest of it, and each of its shards' senders.
 
-    The latest commit that some rank holds whole and of which the ranks
-    hold every shard; among its holders of a shard, the first rank.
+    The latest commit of which the ranks hold every shard and some rank the
+    rest (at the same images, in this layout or another: a reset's own
+    commit that failed on some ranks); among its holders of a shard, the
+    first rank.
     ``holders``: each rank's ``offers``, in rank order (empty: a new worker).
 
     Raises:
@@ -168,7 +170,8 @@ def plan(holders: list[tuple[Held, ...]]) -> Plan:
     missing: list[int] = []
     for key in sorted({h.key for _, h in known}, reverse=True):
         at = [(rank, h) for rank, h in known if h.key == key]
-        roots = [rank for rank, h in at if h.whole]
+        # The rest of a commit (backbone, state) is the same at the same images in any layout.
+        roots = sorted({rank for rank, h in known if h.whole and h.progress == key[0]})
         if not roots:
             continue
         sources = {}
@@ -194,11 +197,11 @@ def respread(net, commits: list[HeadCommit | None], chosen: Plan) -> None:
     """
     groups: HeadGroups = net.head
     last = net.first + net.count
-    mine = next((c for c in commits if c is not None and c.key == chosen.key), None)
+    mine = [c for c in commits if c is not None and c.key == chosen.key]  # its last and the one it was making
+    held = {shard: values for c in reversed(mine) for shard, values in c.held().items()}
     arrays = net.head_arrays()
-    if groups.rank in chosen.sources.values() and list(arrays) != mine.names:  # the same arrays, in the same order
-        raise AssertionError(f"the head's arrays were {mine.names} at the commit and are {list(arrays)} now")
-    held = mine.held() if mine is not None else {}
+    if groups.rank in chosen.sources.values() and list(arrays) != mine[0].names:  # the same arrays, in that order
+        raise AssertionError(f"the head's arrays were {mine[0].names} at the commit and are {list(arrays)} now")
     for i, variable in enumerate(arrays.values()):
         target = np.empty(tuple(variable.shape), kerases.numpy_dtype(variable))
         rows_shape, chunk = target.shape[:-1], columns_per_chunk(target)

@@ -99,11 +99,12 @@ def head_groups(cfg: TrainConfig, ctx: Context, classes: int) -> HeadGroups | No
         if parallel != asked and ctx.is_root:
             log.warning(
                 "--head-parallel %d does not fit %d worker(s) and %d classes: the head is sharded over groups of %d "
-                "(the nearest that does with shards no larger)",
+                "(%s)",
                 asked,
                 ctx.size,
                 classes,
                 parallel,
+                "the next that does: shards no larger" if parallel > asked else "fewer workers or classes than that",
             )
     try:
         groups.check(parallel, ctx.size, classes)

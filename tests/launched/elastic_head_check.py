@@ -9,7 +9,8 @@ lost and came back empty (new workers, who hold nothing); the others say
 what they hold, ``plan`` picks the senders and ``respread`` gives each
 rank its columns in a new layout of 1, 2 or 4 ranks a group. Last, a
 commit that a lost worker cut short: two ranks made it, one only got its
-part. A kernel, a bias and one optimizer slot, each with values of its
+part; and one rank that holds two commits of the same images and layout.
+A kernel, a bias and one optimizer slot, each with values of its
 own, so that an array taken for another shows. Rounds of 5 kernel
 columns: the shard of 5 sends nothing in the second round of 2. Each rank
 writes the largest differences from the head it should hold to
@@ -121,5 +122,17 @@ for progress, (old_g, losses) in enumerate(CASES.items(), start=1):
 made = ctx.rank in (0, 1)
 offered = elastic_head.offers(commits[4], None) if made else elastic_head.offers(commits[2], commits[4])
 resplit("partial", [3], offered, [commits[4]] if made else [commits[2], commits[4]])
+# Rank 0 holds its commit in the group of 4 (shards 0 and 1) and, as the one it was making under another rank
+# number (a worker replaced), shards 2 and 3 of the same images and layout; the others came back empty.
+other = elastic_head.HeadCommit(
+    200,
+    Layout(4, 4),
+    2,
+    list(WHOLE),
+    [whole[..., 5:8] for whole in WHOLE.values()],  # shards of 11 over 4: 0-1, 2-4, 5-7, 8-10
+    [whole[..., 8:] for whole in WHOLE.values()],
+)
+offered = elastic_head.offers(commits[4], other) if ctx.rank == 0 else ()
+resplit("two of one rank", [1, 2, 3], offered, [commits[4], other] if ctx.rank == 0 else [])
 with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
     json.dump(results, f)
