@@ -19,7 +19,8 @@ outside training never meets float16.
 XLA: ``--xla auto`` turns on TensorFlow's auto-clustering, which compiles
 what it can and leaves the rest (Horovod's ops among it) to TensorFlow;
 ``--xla jit`` compiles the forward and backward pass of the step
-(``classifier.Classifier``).
+(``classifier.Classifier``; with a sharded head, the backbone's passes
+around the head's exchanges: ``sharded_net.ShardedNet``).
 """
 
 from __future__ import annotations
