@@ -34,6 +34,14 @@ def columns_per_chunk(shard: np.ndarray) -> int:
     return max(1, CHUNK_BYTES // max(1, rows * shard.itemsize))
 
 
+def as_rows(shard: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """``shard``'s shape but its classes (the last axis), and its columns as rows: ``[count, rows]``, a column per
+    row, contiguous (what an exchange sends a chunk at a time)."""
+    rows_shape = shard.shape[:-1]
+    rows = int(np.prod(rows_shape)) if rows_shape else 1
+    return rows_shape, np.ascontiguousarray(np.reshape(shard, (rows, -1)).T)
+
+
 def path_of(folder: str, name: str) -> str:
     return os.path.join(folder, f"head.{name}.npy")
 
@@ -88,10 +96,8 @@ def gather_into(folder: str | None, name: str, shard: np.ndarray, groups: HeadGr
     """
     if groups.layout.group_of(groups.rank) != 0:
         return
-    parallel = groups.parallel
-    rows_shape, chunk = shard.shape[:-1], columns_per_chunk(shard)
-    rows = int(np.prod(rows_shape)) if rows_shape else 1
-    columns = np.ascontiguousarray(np.reshape(shard, (rows, -1)).T)  # [count, rows]: a column per row of the send
+    parallel, chunk = groups.parallel, columns_per_chunk(shard)
+    rows_shape, columns = as_rows(shard)
     ranges = [shard_range(classes, parallel, j) for j in range(parallel)]
     rounds = -(-max(count for _, count in ranges) // chunk)
     out = None
@@ -128,18 +134,27 @@ def broadcast_columns(
     Args:
         shard: an array of this rank's shape and type (the classes on the last axis).
     """
-    rows_shape, count, chunk = shard.shape[:-1], shard.shape[-1], columns_per_chunk(shard)
     whole = np.load(path_of(folder, name), mmap_mode="r") if folder is not None else None  # checked (``check``)
     out = np.empty_like(shard)
-    for k, start in enumerate(range(0, classes, chunk)):
-        end = min(classes, start + chunk)
+    broadcast_into(out, first, whole, 0, classes, groups, f"head_restore.{name}")
+    return out
+
+
+def broadcast_into(
+    out: np.ndarray, first: int, whole, at: int, columns: int, groups: HeadGroups, name: str, root: int = 0
+) -> None:
+    """Classes ``at .. at + columns`` of a head array, ``whole`` on rank ``root`` (None elsewhere), broadcast to
+    every rank of the job in chunks of ``CHUNK_BYTES``; each rank writes those of its classes (``first ..``, as
+    many as ``out`` has columns) into ``out``. Every rank calls this, with ``out`` of its shape and type."""
+    rows_shape, chunk, last = out.shape[:-1], columns_per_chunk(out), first + out.shape[-1]
+    for k, start in enumerate(range(0, columns, chunk)):
+        end = min(columns, start + chunk)
         part = (
             np.ascontiguousarray(whole[..., start:end])
             if whole is not None
-            else np.zeros((*rows_shape, end - start), shard.dtype)
+            else np.zeros((*rows_shape, end - start), out.dtype)
         )
-        part = groups.broadcast(part, f"head_restore.{name}.{k}").numpy()
-        low, high = max(start, first), min(end, first + count)
+        part = groups.broadcast(part, f"{name}.{k}", root=root).numpy()
+        low, high = max(at + start, first), min(at + end, last)  # classes of both
         if low < high:
-            out[..., low - first : high - first] = part[..., low - start : high - start]
-    return out
+            out[..., low - first : high - first] = part[..., low - at - start : high - at - start]

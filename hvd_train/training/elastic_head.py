@@ -30,7 +30,7 @@ import numpy as np
 from hvd_train.distributed.groups import HeadGroups, Layout, shard_range
 from hvd_train.errors import UserError
 from hvd_train.model import kerases
-from hvd_train.model.sharded_files import columns_per_chunk
+from hvd_train.model.sharded_files import as_rows, broadcast_into, columns_per_chunk
 
 
 @dataclass
@@ -134,14 +134,13 @@ def agree(net) -> None:
 
 def _pass_back(shard: np.ndarray, count: int, most: int, groups: HeadGroups, name: str) -> np.ndarray:
     """The next rank's array (``count`` columns) for this rank's ``shard``, in rounds of ``CHUNK_BYTES``."""
-    rows_shape, chunk = shard.shape[:-1], columns_per_chunk(shard)
-    rows = int(np.prod(rows_shape)) if rows_shape else 1
-    columns = np.ascontiguousarray(np.reshape(shard, (rows, -1)).T)  # a row per class
+    chunk = columns_per_chunk(shard)
+    rows_shape, columns = as_rows(shard)
     parts = [
         groups.pass_back(columns[start : start + chunk], f"{name}.{k}").numpy()
         for k, start in enumerate(range(0, most, chunk))
     ]
-    received = np.concatenate(parts) if parts else np.zeros((0, rows), shard.dtype)
+    received = np.concatenate(parts) if parts else np.zeros((0, columns.shape[1]), shard.dtype)
     assert received.shape[0] == count, (received.shape, count)
     return np.reshape(received.T, (*rows_shape, count))
 
@@ -196,7 +195,6 @@ def respread(net, commits: list[HeadCommit | None], chosen: Plan) -> None:
     worker). Each shard goes by from its sender in chunks of ``CHUNK_BYTES``.
     """
     groups: HeadGroups = net.head
-    last = net.first + net.count
     mine = [c for c in commits if c is not None and c.key == chosen.key]  # its last and the one it was making
     held = {shard: values for c in reversed(mine) for shard, values in c.held().items()}
     arrays = net.head_arrays()
@@ -204,22 +202,10 @@ def respread(net, commits: list[HeadCommit | None], chosen: Plan) -> None:
         raise AssertionError(f"the head's arrays were {mine[0].names} at the commit and are {list(arrays)} now")
     for i, variable in enumerate(arrays.values()):
         target = np.empty(tuple(variable.shape), kerases.numpy_dtype(variable))
-        rows_shape, chunk = target.shape[:-1], columns_per_chunk(target)
         for shard, source in sorted(chosen.sources.items()):
             first, count = shard_range(net.classes, chosen.parallel, shard)
             whole = held[shard][i] if groups.rank == source else None
-            for k, start in enumerate(range(0, count, chunk)):
-                end = min(count, start + chunk)
-                part = (
-                    np.ascontiguousarray(whole[..., start:end])
-                    if whole is not None
-                    else np.zeros((*rows_shape, end - start), target.dtype)
-                )
-                part = groups.broadcast(part, f"head_respread.{i}.{shard}.{k}", root=source).numpy()
-                low, high = max(first + start, net.first), min(first + end, last)  # classes of both
-                if low < high:
-                    at = first + start  # the class of the part's first column
-                    target[..., low - net.first : high - net.first] = part[..., low - at : high - at]
+            broadcast_into(target, net.first, whole, first, count, groups, f"head_respread.{i}.{shard}", root=source)
         variable.assign(target)
 
 
