@@ -105,9 +105,7 @@ def head_step(
     best = tf.cast(tf.argmax(logits, axis=1, output_type=tf.int32) + first, tf.float64)
     columns = [largest, summed, label_logit, tf.reduce_sum(logits, axis=1)]
     if mixed is not None:
-        local_b = all_second - first
-        mine_b = (local_b >= 0) & (local_b < count)
-        local_b = tf.where(mine_b, local_b, 0)
+        local_b, mine_b = _in_shard(all_second, first, count)
         columns.append(tf.where(mine_b, tf.gather(logits, local_b, batch_dims=1), 0.0))
     stats = tf.stack([tf.cast(v, tf.float64) for v in columns] + [best], axis=1)
     every = tf.reshape(groups.gather(stats, "head_step.stats"), [parallel, -1, len(columns) + 1])
@@ -158,9 +156,16 @@ def _group_logits(features, labels, kernel, bias, first: int, groups: HeadGroups
         pairs = tf.stack([tf.cast(labels, tf.int32), tf.cast(second, tf.int32)], axis=1)
         all_labels, all_second = tf.unstack(groups.gather(pairs, f"{name}.label_pairs"), axis=1)
     logits = tf.matmul(rows, kernel) + bias
-    local = all_labels - first
-    mine = (local >= 0) & (local < tf.shape(kernel)[1])
-    return rows, logits, tf.where(mine, local, 0), mine, all_second
+    local, mine = _in_shard(all_labels, first, tf.shape(kernel)[1])
+    return rows, logits, local, mine, all_second
+
+
+def _in_shard(labels, first: int, count):
+    """Where each of ``labels`` falls among this shard's ``count`` classes from ``first`` (0 where it does not),
+    and whether it does."""
+    local = labels - first
+    mine = (local >= 0) & (local < count)
+    return tf.where(mine, local, 0), mine
 
 
 def head_scores(features, labels, kernel, bias, *, first: int, groups: HeadGroups, k: int = 5):
